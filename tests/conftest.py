@@ -1,0 +1,38 @@
+"""Shared fixtures: the default GGUF model and tiny random HF checkpoints."""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests must never reach the Hugging Face hub
+sys.path.insert(0, os.path.dirname(__file__))  # lets test files `from tiny_models import ...`
+
+from tiny_models import make_tiny_checkpoint  # noqa: E402
+
+from conveyor.model.loader import LoadedModel, default_model_path, load_model  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def default_gguf_path() -> str:
+    return default_model_path()
+
+
+@pytest.fixture(scope="session")
+def default_model() -> LoadedModel:
+    """The default SmolLM2 GGUF, loaded once per session (a few seconds)."""
+    return load_model(None)
+
+
+@pytest.fixture
+def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., str]:
+    """Factory: tiny_checkpoint(arch, **config_overrides) -> folder path of a fresh tiny checkpoint."""
+
+    def build(arch: str, **overrides: Any) -> str:
+        return make_tiny_checkpoint(tmp_path_factory.mktemp(f"tiny-{arch}"), arch, **overrides)
+
+    return build

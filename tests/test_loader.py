@@ -1,0 +1,326 @@
+"""Loader tests: the default GGUF against transformers, tiny HF checkpoints, config parsing and errors."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import safetensors.torch
+import torch
+import transformers
+from gguf.quants import dequantize
+from tiny_models import LLAMA3_ROPE_SCALING, conveyor_state_dict, hf_to_conveyor_name, make_tiny_model
+from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor, load_gguf_checkpoint
+
+from conveyor.model.config import ModelConfig
+from conveyor.model.gguf_file import gguf_config, gguf_weights, load_gguf_tokenizer
+from conveyor.model.loader import LoadedModel, check_weights, load_model
+
+# --- the default GGUF -------------------------------------------------------------------------
+
+
+def test_default_gguf_config(default_model: LoadedModel) -> None:
+    c = default_model.config
+    assert (c.architecture, c.num_layers, c.hidden_size, c.intermediate_size) == ("llama", 30, 576, 1536)
+    assert (c.num_heads, c.num_kv_heads, c.head_dim, c.vocab_size) == (9, 3, 64, 49152)
+    assert c.tie_word_embeddings and not c.attention_bias and not c.qk_norm
+    assert c.rope_theta == 100000.0 and c.rope_scaling is None and c.torch_dtype is None
+    assert default_model.name == "SmolLM2-135M-Instruct.Q4_1"
+    assert 2 in default_model.eos_token_ids
+    assert "output.weight" not in default_model.weights
+    assert all(w.dtype == torch.float32 for w in default_model.weights.values())
+
+
+def test_default_gguf_tokenizer(default_model: LoadedModel) -> None:
+    tok = default_model.tokenizer
+    assert tok("Hello world").input_ids == [19556, 905]  # no BOS for SmolLM2
+    assert tok.eos_token_id == 2
+    prompt = tok.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False, add_generation_prompt=True)
+    assert prompt.endswith("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_gguf_permutation_matches_transformers(default_model: LoadedModel, default_gguf_path: str) -> None:
+    """Fast check of layout and llama q/k un-permutation against transformers' LlamaTensorProcessor."""
+    processor = LlamaTensorProcessor(config={"num_attention_heads": 9, "num_key_value_heads": 3})
+    tensors = {t.name: t for t in gguf.GGUFReader(default_gguf_path).tensors}
+    for layer in (0, 29):
+        for kind, ours in (("attn_q", "wq"), ("attn_k", "wk"), ("attn_v", "wv"), ("ffn_down", None)):
+            t = tensors[f"blk.{layer}.{kind}.weight"]
+            expected = processor.process(weights=dequantize(t.data, t.tensor_type), name=t.name).weights
+            name = f"layers.{layer}." + (f"attention.{ours}.weight" if ours else "feed_forward.w2.weight")
+            assert torch.equal(default_model.weights[name], torch.from_numpy(expected)), name
+
+
+@pytest.mark.slow
+def test_gguf_weights_match_transformers(default_model: LoadedModel, default_gguf_path: str) -> None:
+    """Every tensor (names, layout, llama q/k un-permutation) agrees with transformers' own GGUF loader.
+
+    `from_pretrained(..., gguf_file=...)` needs accelerate, so call the loader it uses directly.
+    """
+    hf_config = load_gguf_checkpoint(default_gguf_path, return_tensors=False)["config"]
+    hf_config.pop("_model_name_or_path")
+    config = transformers.AutoConfig.for_model(**hf_config)
+    with torch.device("meta"):  # only parameter names are needed to map the tensors
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    hf_tensors = load_gguf_checkpoint(default_gguf_path, return_tensors=True, model_to_load=model)["tensors"]
+    expected = {hf_to_conveyor_name(k): v for k, v in hf_tensors.items()}
+    assert expected.keys() == default_model.weights.keys()
+    for name, tensor in expected.items():
+        torch.testing.assert_close(default_model.weights[name], tensor, rtol=0, atol=1e-6, msg=name)
+    c = default_model.config
+    assert (c.rms_norm_eps, c.rope_theta) == (config.rms_norm_eps, config.rope_parameters["rope_theta"])
+    assert c.max_position_embeddings == config.max_position_embeddings
+
+
+def test_gguf_tokenizer_cache(default_gguf_path: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The cached tokenizer behaves exactly like a fresh conversion, and the cache is a complete directory."""
+    monkeypatch.setenv("CONVEYOR_CACHE_DIR", str(tmp_path))
+    fresh = load_gguf_tokenizer(default_gguf_path)
+    (entry,) = os.listdir(tmp_path / "tokenizers")  # no leftover temp dirs
+    assert not entry.startswith(".tmp")
+    cached = load_gguf_tokenizer(default_gguf_path)
+    texts = ["Hello world", "  12345 naïve café 🤗\n\nx", "<|im_start|>user\nhi<|im_end|>", "def f(x):\n\treturn x"]
+    for text in texts:
+        assert cached(text).input_ids == fresh(text).input_ids
+        assert cached.decode(cached(text).input_ids) == text
+    assert cached.chat_template == fresh.chat_template and cached.chat_template
+    assert (cached.eos_token_id, cached.bos_token_id) == (fresh.eos_token_id, fresh.bos_token_id)
+
+
+_HF_TO_GGUF = [
+    ("model.embed_tokens.", "token_embd."),
+    ("model.norm.", "output_norm."),
+    ("lm_head.", "output."),
+    ("model.layers.", "blk."),
+    ("input_layernorm.", "attn_norm."),
+    ("post_attention_layernorm.", "ffn_norm."),
+    ("self_attn.q_proj.", "attn_q."),
+    ("self_attn.k_proj.", "attn_k."),
+    ("self_attn.v_proj.", "attn_v."),
+    ("self_attn.o_proj.", "attn_output."),
+    ("self_attn.q_norm.", "attn_q_norm."),
+    ("self_attn.k_norm.", "attn_k_norm."),
+    ("mlp.gate_proj.", "ffn_gate."),
+    ("mlp.up_proj.", "ffn_up."),
+    ("mlp.down_proj.", "ffn_down."),
+]
+
+
+def _llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """What llama.cpp's convert_hf_to_gguf.py does to llama q/k rows."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _write_gguf(path: str, model: transformers.PreTrainedModel) -> None:
+    """An F32 GGUF (no tokenizer) of a tiny transformers model, laid out as llama.cpp's converter would."""
+    c = model.config
+    arch = c.model_type
+    writer = gguf.GGUFWriter(path, arch)
+    writer.add_block_count(c.num_hidden_layers)
+    writer.add_context_length(c.max_position_embeddings)
+    writer.add_embedding_length(c.hidden_size)
+    writer.add_feed_forward_length(c.intermediate_size)
+    writer.add_head_count(c.num_attention_heads)
+    writer.add_head_count_kv(c.num_key_value_heads)
+    if getattr(c, "head_dim", None) is not None:  # Qwen2Config has none: the loader falls back to hidden / heads
+        writer.add_key_length(c.head_dim)
+    writer.add_layer_norm_rms_eps(c.rms_norm_eps)
+    writer.add_rope_freq_base(c.rope_parameters["rope_theta"])
+    for name, tensor in model.state_dict().items():
+        if name == "lm_head.weight" and c.tie_word_embeddings:
+            continue
+        w = tensor.numpy()
+        if arch == "llama" and "q_proj" in name:
+            w = _llama_cpp_permute(w, c.num_attention_heads)
+        elif arch == "llama" and "k_proj" in name:
+            w = _llama_cpp_permute(w, c.num_key_value_heads)
+        for old, new in _HF_TO_GGUF:
+            name = name.replace(old, new)
+        writer.add_tensor(name, np.ascontiguousarray(w))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.mark.parametrize("arch,tied", [("llama", False), ("qwen2", True), ("qwen3", False)])
+def test_gguf_config_and_weights_roundtrip(arch: str, tied: bool, tmp_path: Path) -> None:
+    """qwen2 biases, qwen3 q/k norms and head_dim, and the llama permutation survive a GGUF round trip."""
+    model = make_tiny_model(arch, tie_word_embeddings=tied)
+    path = str(tmp_path / f"tiny-{arch}.gguf")
+    _write_gguf(path, model)
+    reader = gguf.GGUFReader(path)
+    config = gguf_config(reader)
+    assert (config.architecture, config.vocab_size, config.num_layers) == (arch, 49152, 2)
+    assert (config.num_heads, config.num_kv_heads, config.head_dim) == (4, 2, 32 if arch == "qwen3" else 16)
+    assert config.tie_word_embeddings == tied
+    assert (config.attention_bias, config.qk_norm) == (arch == "qwen2", arch == "qwen3")
+    assert config.rms_norm_eps == pytest.approx(1e-5) and config.max_position_embeddings == 4096
+    weights = gguf_weights(reader, config)
+    check_weights(weights, config)
+    expected = conveyor_state_dict(model, tied=tied)
+    assert expected.keys() == weights.keys()
+    for name, tensor in expected.items():
+        assert torch.equal(weights[name], tensor), name
+
+
+# --- tiny HF checkpoints ----------------------------------------------------------------------
+
+TINY_CASES = {
+    "llama": ("llama", {}),
+    "llama-rope-llama3": ("llama", {"rope_scaling": LLAMA3_ROPE_SCALING}),
+    "llama-tied": ("llama", {"tie_word_embeddings": True}),
+    "mistral": ("mistral", {}),
+    "qwen2-tied": ("qwen2", {"tie_word_embeddings": True}),
+    "qwen3": ("qwen3", {}),
+}
+
+
+@pytest.mark.parametrize("case", TINY_CASES)
+def test_tiny_checkpoint_roundtrip(case: str, tiny_checkpoint: Callable[..., str]) -> None:
+    arch, overrides = TINY_CASES[case]
+    folder = tiny_checkpoint(arch, **overrides)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder)
+    loaded = load_model(folder)
+
+    c, h = loaded.config, hf.config
+    assert c.architecture == arch
+    assert (c.vocab_size, c.hidden_size, c.intermediate_size) == (h.vocab_size, h.hidden_size, h.intermediate_size)
+    assert (c.num_layers, c.num_heads, c.num_kv_heads) == (h.num_hidden_layers, h.num_attention_heads, 2)
+    assert c.head_dim == (32 if arch == "qwen3" else 16)
+    assert (c.rms_norm_eps, c.rope_theta, c.max_position_embeddings) == (1e-5, 10000.0, 4096)
+    assert c.rope_scaling == overrides.get("rope_scaling")
+    assert c.tie_word_embeddings == overrides.get("tie_word_embeddings", False)
+    assert c.attention_bias == (arch == "qwen2") and c.qk_norm == (arch == "qwen3")
+    assert c.torch_dtype == "float32"
+
+    expected = conveyor_state_dict(hf, tied=c.tie_word_embeddings)
+    assert expected.keys() == loaded.weights.keys()
+    for name, tensor in expected.items():
+        assert torch.equal(loaded.weights[name], tensor), name
+    assert loaded.eos_token_ids == [2]
+    assert loaded.tokenizer("Hello world").input_ids == [19556, 905]
+    assert loaded.tokenizer.chat_template
+    assert loaded.name == os.path.basename(folder)
+
+
+def test_sharded_checkpoint_and_generation_eos(tiny_checkpoint: Callable[..., str]) -> None:
+    folder = tiny_checkpoint("llama")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder)
+    os.remove(os.path.join(folder, "model.safetensors"))
+    hf.save_pretrained(folder, max_shard_size="1MB")
+    assert os.path.isfile(os.path.join(folder, "model.safetensors.index.json"))
+    with open(os.path.join(folder, "generation_config.json"), "w") as f:
+        json.dump({"eos_token_id": [2, 0]}, f)
+    loaded = load_model(folder)
+    assert loaded.weights.keys() == conveyor_state_dict(hf, tied=False).keys()
+    assert loaded.eos_token_ids == [2, 0]
+
+
+# --- config parsing ---------------------------------------------------------------------------
+
+_HF_CONFIG = {
+    "model_type": "llama",
+    "vocab_size": 100,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+}
+
+
+def test_config_defaults_and_old_style_rope() -> None:
+    c = ModelConfig.from_hf_config(
+        {**_HF_CONFIG, "head_dim": None, "rope_theta": 5e5, "rope_scaling": {"type": "linear", "factor": 2.0}}
+    )
+    assert (c.num_kv_heads, c.head_dim, c.rope_theta) == (4, 16, 5e5)
+    assert c.rope_scaling == {"rope_type": "linear", "factor": 2.0}
+    assert not c.tie_word_embeddings and c.torch_dtype is None
+
+
+def test_config_transformers5_rope_parameters() -> None:
+    c = ModelConfig.from_hf_config(
+        {**_HF_CONFIG, "rope_parameters": {"rope_type": "default", "rope_theta": 1e6}, "dtype": "bfloat16"}
+    )
+    assert (c.rope_theta, c.rope_scaling, c.torch_dtype) == (1e6, None, "bfloat16")
+
+
+@pytest.mark.parametrize(
+    "rope",
+    [
+        {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}},
+        {"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}},
+        {"rope_scaling": {"rope_type": "llama3", "factor": 8.0}},  # missing llama3 fields
+    ],
+)
+def test_config_rejects_unsupported_rope(rope: dict) -> None:
+    with pytest.raises(ValueError, match="rope"):
+        ModelConfig.from_hf_config({**_HF_CONFIG, **rope})
+
+
+# --- errors -----------------------------------------------------------------------------------
+
+
+def test_missing_path(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="nope"):
+        load_model(str(tmp_path / "nope"))
+
+
+def test_unsupported_hf_architecture(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps({**_HF_CONFIG, "model_type": "gpt2"}))
+    with pytest.raises(ValueError, match="gpt2"):
+        load_model(str(tmp_path))
+
+
+def test_folder_without_config_or_weights(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        load_model(str(tmp_path))
+    (tmp_path / "config.json").write_text(json.dumps(_HF_CONFIG))
+    with pytest.raises(FileNotFoundError, match="safetensors"):
+        load_model(str(tmp_path))
+
+
+def _rewrite_safetensors(folder: str, edit: Callable[[dict[str, torch.Tensor]], None]) -> None:
+    path = os.path.join(folder, "model.safetensors")
+    tensors = safetensors.torch.load_file(path)
+    edit(tensors)
+    safetensors.torch.save_file(tensors, path, metadata={"format": "pt"})
+
+
+def test_missing_unexpected_and_misshapen_tensors(tiny_checkpoint: Callable[..., str]) -> None:
+    folder = tiny_checkpoint("qwen2")
+    _rewrite_safetensors(folder, lambda t: t.pop("model.layers.1.self_attn.k_proj.bias"))
+    with pytest.raises(ValueError, match=r"missing layers\.1\.attention\.wk\.bias"):
+        load_model(folder)
+    _rewrite_safetensors(folder, lambda t: t.update({"model.layers.0.mlp.extra.weight": torch.zeros(2)}))
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.extra\.weight"):
+        load_model(folder)
+    folder = tiny_checkpoint("llama")
+    _rewrite_safetensors(folder, lambda t: t.update({"model.norm.weight": torch.ones(3)}))
+    with pytest.raises(ValueError, match=r"norm\.weight has shape \(3,\), expected \(64,\)"):
+        load_model(folder)
+
+
+def test_untied_checkpoint_without_lm_head(tiny_checkpoint: Callable[..., str]) -> None:
+    folder = tiny_checkpoint("llama")
+    _rewrite_safetensors(folder, lambda t: t.pop("lm_head.weight"))
+    with pytest.raises(ValueError, match="lm_head"):
+        load_model(folder)
+
+
+def test_unsupported_gguf_architecture(tmp_path: Path) -> None:
+    path = str(tmp_path / "tiny-gpt2.gguf")
+    writer = gguf.GGUFWriter(path, "gpt2")
+    writer.add_block_count(1)
+    writer.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match="unsupported GGUF architecture 'gpt2'"):
+        load_model(path)
