@@ -1,0 +1,177 @@
+"""Iteration-level scheduler: decides, every step, which requests run and how many tokens each.
+
+There is no prefill/decode distinction. Each step hands out a token budget so that every request's
+computed tokens catch up with its known tokens: running requests first (in admission order), then
+waiting ones first-come-first-served while seats, budget and pages last. A request that cannot get
+a page evicts the most recently admitted running request (preemption by recompute).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from conveyor.engine.kv_cache_manager import KVCacheManager
+from conveyor.engine.request import Request, RequestStatus
+
+POLICIES = ("continuous", "static")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    policy: str = "continuous"
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
+                             f"max_num_seqs ({self.max_num_seqs})")
+
+
+@dataclass
+class SchedulerOutput:
+    """One step's plan: ``(request, num_new_tokens)`` in batch order."""
+
+    scheduled: list[tuple[Request, int]]
+    preempted: list[Request] = field(default_factory=list)
+    finished_ids: list[str] = field(default_factory=list)  # since the previous step
+
+    num_decode_tokens: int = 0  # fresh decodes; the rest is prompt or recompute ("prefill")
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(n for _, n in self.scheduled)
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return self.num_tokens - self.num_decode_tokens
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+        if config.max_model_len > kv.num_tokens_capacity:
+            raise ValueError(
+                f"max_model_len {config.max_model_len} does not fit in the KV pool "
+                f"({kv.pool.num_blocks} pages x {kv.block_size} tokens = "
+                f"{kv.num_tokens_capacity} tokens): lower max_model_len or give the cache more "
+                f"memory")
+        self.config = config
+        self.kv = kv
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions_total = 0
+        self._finished_ids: list[str] = []
+        self._static_batch: set[str] = set()
+
+    # -- bookkeeping ---------------------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def finish_request(self, request: Request, status: RequestStatus) -> None:
+        """End a request now (stop string, abort or token-level stop); its pages go back at once."""
+        if request.is_finished:
+            return
+        if request in self.running:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        self.kv.free(request)
+        request.status = status
+        del self.requests[request.request_id]
+        self._finished_ids.append(request.request_id)
+
+    def abort_request(self, request_id: str) -> Request | None:
+        request = self.requests.get(request_id)
+        if request is not None:
+            self.finish_request(request, RequestStatus.FINISHED_ABORTED)
+        return request
+
+    # -- the step ------------------------------------------------------------------------------
+    def schedule(self, now: float) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        out = SchedulerOutput(scheduled=[], finished_ids=self._finished_ids)
+        self._finished_ids = []
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            n = min(request.num_tokens - request.num_computed_tokens, budget)
+            while not self.kv.allocate_slots(request, n):
+                victim = self.running.pop()
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is request:
+                    break
+            else:
+                out.scheduled.append((request, n))
+                budget -= n
+                i += 1
+
+        if self.config.policy == "static" and not self.running:
+            self._static_batch = {r.request_id for r, _ in
+                                  zip(self.waiting, range(self.config.max_num_seqs))}
+        while (not out.preempted and self.waiting and budget > 0
+               and len(self.running) < self.config.max_num_seqs):
+            request = self.waiting[0]
+            if self.config.policy == "static" and request.request_id not in self._static_batch:
+                break
+            n = min(request.num_tokens - request.num_computed_tokens, budget)
+            if not self.kv.allocate_slots(request, n):
+                break
+            self.waiting.popleft()
+            self.running.append(request)
+            request.status = RequestStatus.RUNNING
+            if request.metrics.first_scheduled_time is None:
+                request.metrics.first_scheduled_time = now
+            out.scheduled.append((request, n))
+            budget -= n
+        out.num_decode_tokens = sum(1 for r, n in out.scheduled
+                                    if n == 1 and r.num_computed_tokens >= r.num_prompt_tokens)
+        return out
+
+    def _preempt(self, request: Request) -> None:
+        self.kv.free(request)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.PREEMPTED
+        request.metrics.num_preemptions += 1
+        self.num_preemptions_total += 1
+        self.waiting.appendleft(request)
+
+    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int],
+                           now: float) -> list[Request]:
+        """Advance computed tokens, append sampled tokens, finish what stopped.
+
+        Returns the requests that received a token this step."""
+        advanced = []
+        for request, n in out.scheduled:
+            if request.is_finished:
+                continue
+            request.num_computed_tokens += n
+            token = sampled.get(request.request_id)
+            if token is None:
+                continue
+            request.append_output_token(token)
+            if request.metrics.first_token_time is None:
+                request.metrics.first_token_time = now
+            advanced.append(request)
+            status = request.check_stop(self.config.max_model_len)
+            if status is not None:
+                self.finish_request(request, status)
+        return advanced
