@@ -1,0 +1,76 @@
+"""Attention over the paged KV cache, for a flat batch of tokens from many requests.
+
+The runner lays a step's tokens out as all single-token queries first (decodes, batched into one
+SDPA call over gathered pages) and then one run per multi-token chunk (prefills, one SDPA call
+each: there are few per step, bounded by the token budget).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class PrefillChunk:
+    start: int            # first token of the chunk in the flat batch
+    end: int              # one past its last token
+    context_len: int      # tokens attended to: those already cached plus the chunk
+    block_ids: torch.Tensor | None  # pages holding the context, None when the chunk is the
+                                    # whole context (attend to the fresh K/V directly)
+    mask: torch.Tensor | None       # [len, context_len] causal mask with offset, or None
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor    # [T] where each token's K/V is written
+    num_decodes: int              # tokens [0, num_decodes) are single-token queries
+    decode_block_tables: torch.Tensor  # [num_decodes, W] pages of each decode (padded)
+    decode_mask: torch.Tensor     # [num_decodes, 1, 1, W * block_size] True where a slot is real
+    prefills: list[PrefillChunk]
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    meta: AttentionMetadata) -> torch.Tensor:
+    """q: [T, H, D]; k, v: [T, KVH, D]; caches: [num_blocks, block_size, KVH, D].
+
+    Returns [T, H, D]."""
+    num_blocks, block_size, kv_heads, dim = k_cache.shape
+    k_cache.view(-1, kv_heads, dim).index_copy_(0, meta.slot_mapping, k)
+    v_cache.view(-1, kv_heads, dim).index_copy_(0, meta.slot_mapping, v)
+    out = torch.empty_like(q)
+    nd = meta.num_decodes
+    if nd:
+        # Whole pages are gathered (block-sized copies), and the query heads that share a KV head
+        # are laid out as that head's "query positions", so GQA needs no repeated K/V.
+        groups = q.shape[1] // kv_heads
+        qd = q[:nd].view(nd, kv_heads, groups, dim)
+        kd = gather_pages(k_cache, meta.decode_block_tables).transpose(1, 2)  # [B, KVH, L, D]
+        vd = gather_pages(v_cache, meta.decode_block_tables).transpose(1, 2)
+        o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask)
+        out[:nd] = o.reshape(nd, -1, dim)
+    for chunk in meta.prefills:
+        qp = q[chunk.start:chunk.end].transpose(0, 1).unsqueeze(0)   # [1, H, n, D]
+        if chunk.block_ids is None:
+            kp, vp = k[chunk.start:chunk.end], v[chunk.start:chunk.end]
+        else:
+            kp = gather_pages(k_cache, chunk.block_ids)[:chunk.context_len]
+            vp = gather_pages(v_cache, chunk.block_ids)[:chunk.context_len]
+        kp = kp.transpose(0, 1).unsqueeze(0)
+        vp = vp.transpose(0, 1).unsqueeze(0)
+        o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=chunk.mask,
+                                           is_causal=chunk.mask is None, enable_gqa=True)
+        out[chunk.start:chunk.end] = o.squeeze(0).transpose(0, 1)
+    return out
+
+
+def gather_pages(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+    """The cache rows of the given pages, in order: [*block_ids.shape[:-1], W * block_size, KVH, D].
+
+    ``index_select`` on whole pages is ~4x faster on the CPU than advanced indexing."""
+    num_blocks, block_size, kv_heads, dim = cache.shape
+    rows = cache.view(num_blocks, -1).index_select(0, block_ids.flatten())
+    return rows.view(*block_ids.shape[:-1], block_ids.shape[-1] * block_size, kv_heads, dim)

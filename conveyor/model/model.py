@@ -1,0 +1,158 @@
+"""The Llama-family network (Llama, Mistral, Qwen2, Qwen3) as a few plain PyTorch modules.
+
+Weights arrive under the names ``conveyor.model.loader`` gives them; q/k/v and gate/up are fused
+here, once, at load, so each layer runs two matmuls fewer.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from conveyor.model.attention import AttentionMetadata, paged_attention
+from conveyor.model.config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in float32 and scale in the model dtype, exactly as transformers does.
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    scaling = config.rope_scaling
+    if scaling is None:
+        return inv_freq
+    if scaling["rope_type"] == "linear":
+        return inv_freq / scaling["factor"]
+    # llama3: long wavelengths slowed by `factor`, short ones kept, a smooth blend in between.
+    factor = scaling["factor"]
+    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old_len = scaling["original_max_position_embeddings"]
+    low_wavelen, high_wavelen = old_len / low, old_len / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+def rope_tables(config: ModelConfig, max_len: int, dtype: torch.dtype,
+                device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of every position, [max_len, head_dim], in the model dtype."""
+    freqs = torch.outer(torch.arange(max_len, dtype=torch.float32), rope_inv_freq(config))
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype=dtype, device=device), emb.sin().to(dtype=dtype, device=device)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [T, heads, D]; cos/sin: [T, 1, D] (the half-rotation layout transformers uses)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = (config.num_heads, config.num_kv_heads,
+                                                        config.head_dim)
+        self.q_size = self.n_heads * self.head_dim
+        self.kv_size = self.n_kv_heads * self.head_dim
+        self.wqkv = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size,
+                              bias=config.attention_bias)
+        self.wo = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+        T = x.shape[0]
+        q, k, v = self.wqkv(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(T, self.n_heads, self.head_dim)
+        k = k.view(T, self.n_kv_heads, self.head_dim)
+        v = v.view(T, self.n_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        o = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta)
+        return self.wo(o.reshape(T, self.q_size))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.intermediate = config.intermediate_size
+        self.w13 = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.w2 = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.w13(x).split(self.intermediate, dim=-1)
+        return self.w2(F.silu(gate) * up)
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.attention_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.attention = Attention(config)
+        self.ffn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.feed_forward = FeedForward(config)
+
+    def forward(self, x, cos, sin, kv_cache, meta):
+        h = x + self.attention(self.attention_norm(x), cos, sin, kv_cache, meta)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Transformer(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.tok_embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(TransformerBlock(config) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.output = (None if config.tie_word_embeddings
+                       else nn.Linear(config.hidden_size, config.vocab_size, bias=False))
+
+    def forward(self, input_ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                meta: AttentionMetadata) -> torch.Tensor:
+        """input_ids: [T]; cos/sin: [T, 1, head_dim] for each token's position. Returns [T, D]."""
+        h = self.tok_embeddings(input_ids)
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            h = layer(h, cos, sin, kv_cache, meta)
+        return self.norm(h)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.tok_embeddings.weight if self.output is None else self.output.weight
+        return F.linear(hidden, weight).float()
+
+    @torch.no_grad()
+    def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        """Copy loader-named weights in (converting dtype), fusing q/k/v and gate/up."""
+        fused = dict(weights)
+        for i in range(self.config.num_layers):
+            a, f = f"layers.{i}.attention.", f"layers.{i}.feed_forward."
+            for kind in ("weight", "bias"):
+                parts = [fused.pop(f"{a}w{x}.{kind}", None) for x in "qkv"]
+                if parts[0] is not None:
+                    fused[f"{a}wqkv.{kind}"] = torch.cat(parts)
+            fused[f"{f}w13.weight"] = torch.cat([fused.pop(f"{f}w1.weight"),
+                                                 fused.pop(f"{f}w3.weight")])
+        self.load_state_dict(fused, strict=True)  # the loader has checked names and shapes

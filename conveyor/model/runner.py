@@ -1,0 +1,109 @@
+"""Runs one scheduled step on the model: builds the flat batch, the paged-attention metadata and
+the sampling inputs, then returns each finishing request's next token."""
+
+from __future__ import annotations
+
+import torch
+
+from conveyor.engine.request import Request
+from conveyor.engine.scheduler import SchedulerOutput
+from conveyor.model.attention import AttentionMetadata, PrefillChunk
+from conveyor.model.config import ModelConfig
+from conveyor.model.model import Transformer, rope_tables
+from conveyor.model.sampler import SampleResult, Sampler
+
+
+def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    elem = torch.tensor([], dtype=dtype).element_size()
+    return 2 * config.num_layers * block_size * config.num_kv_heads * config.head_dim * elem
+
+
+class ModelRunner:
+    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], *,
+                 dtype: torch.dtype, device: torch.device, num_blocks: int, block_size: int,
+                 max_model_len: int, seed: int) -> None:
+        self.config = config
+        self.device = device
+        self.dtype = dtype
+        self.block_size = block_size
+        with torch.device(device):
+            self.model = Transformer(config).to(dtype)
+        self.model.load_weights(weights)
+        self.model.eval()
+        shape = (num_blocks, block_size, config.num_kv_heads, config.head_dim)
+        self.kv_caches = [(torch.zeros(shape, dtype=dtype, device=device),
+                           torch.zeros(shape, dtype=dtype, device=device))
+                          for _ in range(config.num_layers)]
+        self.cos, self.sin = rope_tables(config, max_model_len, dtype, device)
+        self.sampler = Sampler(config.vocab_size, device, seed)
+
+    def _tensor(self, data: list[int]) -> torch.Tensor:
+        return torch.tensor(data, dtype=torch.long, device=self.device)
+
+    def _slots(self, request: Request, start: int, end: int) -> list[int]:
+        bs, table = self.block_size, request.block_ids
+        return [table[p // bs] * bs + p % bs for p in range(start, end)]
+
+    def _prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor,
+                                                       AttentionMetadata, list[int], list[Request]]:
+        """Flat token ids, positions and attention metadata: decodes first, then chunks."""
+        decodes = [(r, n) for r, n in out.scheduled if n == 1]
+        chunks = [(r, n) for r, n in out.scheduled if n > 1]
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        for r, n in decodes + chunks:
+            start = r.num_computed_tokens
+            ids += r.all_token_ids[start:start + n]
+            positions += range(start, start + n)
+            slots += self._slots(r, start, start + n)
+
+        bs = self.block_size
+        if decodes:
+            width = max(len(r.block_ids) for r, _ in decodes)
+            tables = self._tensor([r.block_ids + [0] * (width - len(r.block_ids))
+                                   for r, _ in decodes])
+            lens = self._tensor([r.num_computed_tokens + 1 for r, _ in decodes])
+            decode_mask = (torch.arange(width * bs, device=self.device).unsqueeze(0)
+                           < lens.unsqueeze(1))[:, None, None, :]
+        else:
+            tables = decode_mask = torch.empty(0, device=self.device)
+
+        prefills = []
+        offset = len(decodes)
+        for r, n in chunks:
+            ctx = r.num_computed_tokens
+            if ctx == 0:
+                prefills.append(PrefillChunk(offset, offset + n, n, None, None))
+            else:
+                q_pos = torch.arange(ctx, ctx + n, device=self.device).unsqueeze(1)
+                k_pos = torch.arange(ctx + n, device=self.device).unsqueeze(0)
+                pages = self._tensor(r.block_ids[:-(-(ctx + n) // bs)])
+                prefills.append(PrefillChunk(offset, offset + n, ctx + n, pages, k_pos <= q_pos))
+            offset += n
+
+        # A request samples when this step brings its computed tokens level with its tokens.
+        logits_rows, sampling, end = [], [], 0
+        for r, n in decodes + chunks:
+            end += n
+            if r.num_computed_tokens + n == r.num_tokens:
+                logits_rows.append(end - 1)
+                sampling.append(r)
+        meta = AttentionMetadata(self._tensor(slots), len(decodes), tables, decode_mask,
+                                 prefills)
+        return self._tensor(ids), self._tensor(positions), meta, logits_rows, sampling
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> dict[str, SampleResult]:
+        self.sampler.forget(out.finished_ids)
+        if out.is_empty:
+            return {}
+        ids, positions, meta, logits_rows, sampling = self._prepare(out)
+        cos = self.cos[positions].unsqueeze(1)
+        sin = self.sin[positions].unsqueeze(1)
+        hidden = self.model(ids, cos, sin, self.kv_caches, meta)
+        if not logits_rows:
+            return {}
+        logits = self.model.compute_logits(hidden[self._tensor(logits_rows)])
+        results = self.sampler(logits, sampling)
+        return {r.request_id: res for r, res in zip(sampling, results)}

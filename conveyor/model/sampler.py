@@ -1,0 +1,147 @@
+"""Batched sampling: every rule is a tensor operation over the whole batch, never a Python loop
+over the vocabulary. Requests with a seed draw their noise from their own generator, so their
+tokens do not depend on what else is in the batch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from conveyor.engine.request import Request
+
+_NEG_INF = float("-inf")
+
+
+@dataclass
+class SampleResult:
+    token_id: int
+    # (token id, logprob, rank) of the sampled token first, then the top-k; None if not asked
+    logprobs: list[tuple[int, float, int]] | None = None
+
+
+class Sampler:
+    def __init__(self, vocab_size: int, device: torch.device, seed: int) -> None:
+        self.vocab_size = vocab_size
+        self.device = device
+        self.generator = torch.Generator(device=device).manual_seed(seed)
+        self._request_generators: dict[str, torch.Generator] = {}
+
+    def forget(self, request_ids: list[str]) -> None:
+        for rid in request_ids:
+            self._request_generators.pop(rid, None)
+
+    def _generator(self, request: Request) -> torch.Generator | None:
+        seed = request.sampling_params.seed
+        if seed is None:
+            return None
+        gen = self._request_generators.get(request.request_id)
+        if gen is None:
+            gen = torch.Generator(device=self.device).manual_seed(seed)
+            self._request_generators[request.request_id] = gen
+        return gen
+
+    def __call__(self, logits: torch.Tensor, requests: list[Request]) -> list[SampleResult]:
+        """logits: [B, V] float32, one row per request, in the same order."""
+        params = [r.sampling_params for r in requests]
+        want_logprobs = [p.logprobs for p in params]
+        raw_logprobs = (torch.log_softmax(logits, dim=-1)
+                        if any(k is not None for k in want_logprobs) else None)
+
+        logits = logits.clone()
+        self._mask_early_stops(logits, requests)
+        if any(p.uses_penalties for p in params):
+            self._apply_penalties(logits, requests)
+
+        greedy = torch.tensor([p.greedy for p in params], device=logits.device)
+        tokens = logits.argmax(dim=-1)
+        if not bool(greedy.all()):
+            tokens = torch.where(greedy, tokens, self._sample(logits, requests))
+
+        token_list = tokens.tolist()
+        results = []
+        for i, (tok, k) in enumerate(zip(token_list, want_logprobs)):
+            lp = None
+            if k is not None:
+                row = raw_logprobs[i]
+                chosen = float(row[tok])
+                rank = int((row > chosen).sum()) + 1
+                lp = [(tok, chosen, rank)]
+                if k:
+                    top_vals, top_ids = row.topk(k)
+                    lp += [(t, v, j + 1) for j, (t, v) in
+                           enumerate(zip(top_ids.tolist(), top_vals.tolist()))]
+            results.append(SampleResult(tok, lp))
+        return results
+
+    def _mask_early_stops(self, logits: torch.Tensor, requests: list[Request]) -> None:
+        """Before min_tokens, EOS and stop token ids cannot be sampled."""
+        rows, cols = [], []
+        for i, r in enumerate(requests):
+            p = r.sampling_params
+            if r.num_output_tokens < p.min_tokens:
+                stops = set(p.stop_token_ids) | (set() if p.ignore_eos else set(r.eos_token_ids))
+                rows += [i] * len(stops)
+                cols += sorted(stops)
+        if rows:
+            logits[rows, cols] = _NEG_INF
+
+    def _apply_penalties(self, logits: torch.Tensor, requests: list[Request]) -> None:
+        B, V = logits.shape
+        dev = logits.device
+
+        def padded(seqs: list[list[int]]) -> torch.Tensor:
+            width = max(1, max(len(s) for s in seqs))
+            return torch.tensor([s + [V] * (width - len(s)) for s in seqs], device=dev)
+
+        out_ids = padded([r.output_token_ids for r in requests])
+        counts = torch.zeros(B, V + 1, device=dev).scatter_add_(
+            1, out_ids, torch.ones_like(out_ids, dtype=torch.float32))[:, :V]
+        prompt_ids = padded([r.prompt_token_ids for r in requests])
+        seen = torch.zeros(B, V + 1, dtype=torch.bool, device=dev).scatter_(1, prompt_ids, True)
+        seen = seen[:, :V] | (counts > 0)
+
+        def column(name: str) -> torch.Tensor:
+            return torch.tensor([getattr(r.sampling_params, name) for r in requests],
+                                dtype=torch.float32, device=dev).unsqueeze(1)
+
+        rep = column("repetition_penalty")
+        penalised = torch.where(logits > 0, logits / rep, logits * rep)
+        logits.copy_(torch.where(seen, penalised, logits))
+        logits -= column("frequency_penalty") * counts
+        logits -= column("presence_penalty") * (counts > 0).float()
+
+    def _sample(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        params = [r.sampling_params for r in requests]
+        B, V = logits.shape
+        dev = logits.device
+        temps = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params],
+                             dtype=torch.float32, device=dev)
+        logits = logits / temps.unsqueeze(1)
+
+        top_k = [p.top_k if p.top_k > 0 else V for p in params]
+        top_p = [p.top_p for p in params]
+        if any(k < V for k in top_k) or any(p < 1 for p in top_p):
+            sorted_logits, order = logits.sort(dim=-1, descending=True)
+            ranks = torch.arange(V, device=dev).unsqueeze(0)
+            k_t = torch.tensor(top_k, device=dev).unsqueeze(1)
+            sorted_logits = sorted_logits.masked_fill(ranks >= k_t, _NEG_INF)
+            probs = sorted_logits.softmax(dim=-1)
+            before = probs.cumsum(dim=-1) - probs          # mass strictly above each token
+            p_t = torch.tensor(top_p, dtype=torch.float32, device=dev).unsqueeze(1)
+            sorted_logits = sorted_logits.masked_fill((before > p_t) & (ranks > 0), _NEG_INF)
+            logits = torch.full_like(logits, _NEG_INF).scatter_(1, order, sorted_logits)
+
+        probs = logits.softmax(dim=-1)
+        min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32, device=dev)
+        if bool((min_p > 0).any()):
+            floor = min_p.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
+            probs = probs.masked_fill(probs < floor, 0.0)
+
+        # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p.
+        noise = torch.empty_like(probs).exponential_(generator=self.generator)
+        for i, r in enumerate(requests):
+            gen = self._generator(r)
+            if gen is not None:
+                noise[i].exponential_(generator=gen)
+        return (probs / noise).argmax(dim=-1)

@@ -1,0 +1,47 @@
+"""What ``LLM.generate`` returns: vLLM's ``RequestOutput`` shape."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class Logprob:
+    logprob: float
+    rank: int
+    decoded_token: str | None = None
+
+
+@dataclass
+class RequestMetrics:
+    """Wall-clock times (``time.monotonic``) of a request's life, for latency breakdowns."""
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    num_preemptions: int = 0
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None  # "stop", "length", "abort" or None while running
+    logprobs: list[dict[int, Logprob]] | None = None
+    stop_reason: str | int | None = None  # the stop string or stop token that ended it
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics

@@ -1,0 +1,67 @@
+"""Per-request sampling settings, named and validated as vLLM's ``SamplingParams``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+_GREEDY_EPS = 1e-5
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int = 16
+    min_tokens: int = 0
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    stop_strings: list[str] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.stop_strings = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        self._validate()
+
+    def _validate(self) -> None:
+        def check(ok: bool, name: str, why: str) -> None:
+            if not ok:
+                raise ValueError(f"{name} {why}, got {getattr(self, name)!r}")
+
+        check(isinstance(self.n, int) and self.n >= 1, "n", "must be an integer >= 1")
+        check(self.temperature >= 0, "temperature", "must be >= 0")
+        check(0 < self.top_p <= 1, "top_p", "must be in (0, 1]")
+        check(isinstance(self.top_k, int) and (self.top_k >= 1 or self.top_k in (0, -1)),
+              "top_k", "must be 0 or -1 (disabled) or an integer >= 1")
+        check(0 <= self.min_p <= 1, "min_p", "must be in [0, 1]")
+        check(isinstance(self.max_tokens, int) and self.max_tokens >= 1, "max_tokens",
+              "must be an integer >= 1")
+        check(isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= self.max_tokens,
+              "min_tokens", "must be an integer in [0, max_tokens]")
+        check(self.seed is None or isinstance(self.seed, int), "seed", "must be an integer or None")
+        check(self.logprobs is None or (isinstance(self.logprobs, int) and self.logprobs >= 0),
+              "logprobs", "must be None or an integer >= 0")
+        check(-2 <= self.presence_penalty <= 2, "presence_penalty", "must be in [-2, 2]")
+        check(-2 <= self.frequency_penalty <= 2, "frequency_penalty", "must be in [-2, 2]")
+        check(self.repetition_penalty > 0, "repetition_penalty", "must be > 0")
+        check(all(isinstance(s, str) and s for s in self.stop_strings), "stop",
+              "must be a non-empty string or a list of them")
+        check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
+              "must be a list of token ids")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < _GREEDY_EPS
+
+    @property
+    def uses_penalties(self) -> bool:
+        return (self.presence_penalty != 0 or self.frequency_penalty != 0
+                or self.repetition_penalty != 1)

@@ -1,0 +1,132 @@
+"""The batched sampler: filters never let a disallowed token through; seeds are batch-independent."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from conveyor.engine.request import Request
+from conveyor.model.sampler import Sampler
+from conveyor.sampling_params import SamplingParams
+
+V = 50
+EOS = 0
+
+
+def req(rid: str = "r", prompt=(1, 2, 3), outputs=(), **params) -> Request:
+    r = Request(rid, list(prompt), SamplingParams(**params), frozenset([EOS]), 0.0)
+    for t in outputs:
+        r.append_output_token(t)
+    return r
+
+
+def allowed_set(logits: torch.Tensor, temperature: float, top_k: int, top_p: float,
+                min_p: float) -> set[int]:
+    """The tokens the filters allow, computed independently of the sampler, one token at a time."""
+    probs = torch.softmax(logits.double() / temperature, -1).tolist()
+    order = sorted(range(len(probs)), key=lambda i: -probs[i])
+    if top_k > 0:
+        order = order[:top_k]
+    kept, mass = [], 0.0
+    total = sum(probs[i] for i in order)
+    for i in order:
+        if kept and mass > top_p * total + 1e-6:
+            break
+        kept.append(i)
+        mass += probs[i]
+    if min_p > 0:
+        top = max(probs[i] for i in kept) / sum(probs[i] for i in kept)
+        kept_total = sum(probs[i] for i in kept)
+        kept = [i for i in kept if probs[i] / kept_total >= min_p * top - 1e-6]
+    return set(kept)
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**16), temperature=st.floats(0.3, 2.0),
+       top_k=st.sampled_from([0, 1, 2, 5, 20]), top_p=st.sampled_from([1.0, 0.9, 0.5, 0.1]),
+       min_p=st.sampled_from([0.0, 0.05, 0.3]))
+def test_filters_never_emit_a_token_outside_the_allowed_set(seed, temperature, top_k, top_p, min_p):
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(V, generator=gen) * 3
+    allowed = allowed_set(logits, temperature, top_k, top_p, min_p)
+    sampler = Sampler(V, torch.device("cpu"), seed)
+    batch = [req(str(i), temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
+             for i in range(32)]
+    seen = set()
+    for _ in range(8):
+        seen |= {r.token_id for r in sampler(logits.expand(32, V).clone(), batch)}
+    assert seen <= allowed, f"sampled {seen - allowed} outside {allowed}"
+
+
+def test_top_p_keeps_the_smallest_set_reaching_p():
+    probs = torch.tensor([0.5, 0.3, 0.1, 0.05, 0.05])
+    logits = probs.log().expand(200, 5).clone()
+    sampler = Sampler(5, torch.device("cpu"), 0)
+    out = sampler(logits, [req(str(i), top_p=0.7) for i in range(200)])
+    tokens = {r.token_id for r in out}
+    assert tokens == {0, 1}  # 0.5 < 0.7, so the 0.3 token is needed too; nothing more
+
+
+def test_greedy_is_argmax_and_temperature_zero_ignores_filters():
+    logits = torch.randn(4, V)
+    out = Sampler(V, torch.device("cpu"), 0)(logits, [req(str(i), temperature=0, top_k=3)
+                                                     for i in range(4)])
+    assert [r.token_id for r in out] == logits.argmax(-1).tolist()
+
+
+def test_seeded_request_is_independent_of_the_batch():
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(V, generator=gen)
+
+    def run(batch_size: int) -> list[int]:
+        sampler = Sampler(V, torch.device("cpu"), seed=batch_size)  # different global noise
+        seeded = req("seeded", temperature=1.0, seed=1234)
+        others = [req(f"o{i}", temperature=1.0) for i in range(batch_size - 1)]
+        tokens = []
+        for _ in range(20):
+            rows = others + [seeded]
+            out = sampler(logits.expand(len(rows), V).clone(), rows)
+            tokens.append(out[-1].token_id)
+        return tokens
+
+    alone = run(1)
+    assert alone == run(7) == run(16)
+    assert len(set(alone)) > 1  # it really sampled
+
+
+def test_penalties_push_away_from_seen_tokens():
+    logits = torch.zeros(1, V)
+    logits[0, 7] = 2.0
+    logits[0, 8] = 1.5
+    sampler = Sampler(V, torch.device("cpu"), 0)
+    assert sampler(logits, [req(temperature=0)])[0].token_id == 7
+    assert sampler(logits, [req(prompt=[7], temperature=0, repetition_penalty=2.0)])[0].token_id == 8
+    assert sampler(logits, [req(outputs=[7], temperature=0, frequency_penalty=1.0)])[0].token_id == 8
+    assert sampler(logits, [req(outputs=[7], temperature=0, presence_penalty=0.4)])[0].token_id == 7
+    assert sampler(logits, [req(outputs=[7], temperature=0, presence_penalty=0.6)])[0].token_id == 8
+
+
+def test_min_tokens_masks_eos_and_stop_ids():
+    logits = torch.zeros(1, V)
+    logits[0, EOS] = 5.0
+    logits[0, 9] = 4.0
+    logits[0, 3] = 3.0
+    sampler = Sampler(V, torch.device("cpu"), 0)
+    early = req(temperature=0, min_tokens=2, stop_token_ids=[9])
+    assert sampler(logits, [early])[0].token_id == 3
+    late = req(outputs=[5, 5], temperature=0, min_tokens=2, stop_token_ids=[9])
+    assert sampler(logits, [late])[0].token_id == EOS
+
+
+def test_logprobs_are_raw_log_softmax_with_ranks():
+    logits = torch.randn(1, V)
+    out = Sampler(V, torch.device("cpu"), 0)(logits, [req(temperature=0, logprobs=3)])[0]
+    expected = torch.log_softmax(logits[0], -1)
+    (tok, lp, rank), *top = out.logprobs
+    assert tok == int(logits.argmax()) and rank == 1 and math.isclose(lp, float(expected[tok]),
+                                                                      rel_tol=1e-5)
+    assert [t for t, _, _ in top] == expected.topk(3).indices.tolist()
+    assert [r for _, _, r in top] == [1, 2, 3]
