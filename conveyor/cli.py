@@ -1,0 +1,88 @@
+"""The ``conveyor`` command. Bad input ends with one line on stderr and exit status 2."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import time
+
+from conveyor.config import EngineConfig
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """Engine flags, spelled as vLLM spells them."""
+    g = parser.add_argument_group("engine")
+    g.add_argument("--model", default=None,
+                   help="a .gguf file or a Hugging Face folder (default: SmolLM2-135M-Instruct)")
+    g.add_argument("--dtype", default="auto",
+                   choices=["auto", "float32", "float", "bfloat16", "float16", "half"])
+    g.add_argument("--block-size", type=int, default=16, help="tokens per KV page")
+    g.add_argument("--num-kv-blocks", type=int, default=None, help="KV pages in the pool")
+    g.add_argument("--kv-cache-memory", default=None,
+                   help="KV pool size in memory, e.g. 2GiB (default: a share of free memory)")
+    g.add_argument("--max-num-seqs", type=int, default=64, help="most requests in one batch")
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                   help="token budget of one step")
+    g.add_argument("--max-model-len", type=int, default=None,
+                   help="longest prompt + output (default: the model's, capped by the pool)")
+    g.add_argument("--policy", default="continuous", choices=["continuous", "static"])
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
+    g.add_argument("--threads", type=int, default=None, help="CPU threads for the model")
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(model=args.model, dtype=args.dtype, block_size=args.block_size,
+                        num_kv_blocks=args.num_kv_blocks, kv_cache_memory=args.kv_cache_memory,
+                        max_num_seqs=args.max_num_seqs,
+                        max_num_batched_tokens=args.max_num_batched_tokens,
+                        max_model_len=args.max_model_len, policy=args.policy, seed=args.seed,
+                        device=args.device, threads=args.threads)
+
+
+def _generate(args: argparse.Namespace) -> None:
+    from conveyor.llm import LLM
+    from conveyor.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                            max_tokens=args.max_tokens, seed=args.sample_seed,
+                            ignore_eos=args.ignore_eos)
+    llm = LLM(**dataclasses.asdict(engine_config(args)))
+    prompts = args.prompt or ["The three most useful things to know about continuous batching are"]
+    t0 = time.monotonic()
+    outputs = (llm.chat([[{"role": "user", "content": p}] for p in prompts], params, use_tqdm=False)
+               if args.chat else llm.generate(prompts, params, use_tqdm=False))
+    elapsed = time.monotonic() - t0
+    for prompt, out in zip(prompts, outputs):
+        c = out.outputs[0]
+        print(f"--- {prompt!r}\n{c.text}\n[{len(c.token_ids)} tokens, finish: {c.finish_reason}]")
+    total = sum(len(o.outputs[0].token_ids) for o in outputs)
+    print(f"--- {len(outputs)} requests, {total} tokens in {elapsed:.2f} s "
+          f"({total / elapsed:.1f} tok/s)")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="conveyor")
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="generate text for prompts, offline")
+    add_engine_args(gen)
+    gen.add_argument("prompt", nargs="*", help="prompts (default: one example prompt)")
+    gen.add_argument("--chat", action="store_true", help="wrap each prompt in the chat template")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--sample-seed", type=int, default=None)
+    gen.add_argument("--ignore-eos", action="store_true")
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "generate":
+            _generate(args)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"conveyor: error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,223 @@
+"""The engine loop: schedule, run the model, advance requests, detokenize, report.
+
+``step()`` is one iteration of continuous batching; whoever drives it (``LLM.generate`` or the
+server's engine thread) calls it while there is work.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from conveyor.config import EngineConfig
+from conveyor.engine.detokenizer import IncrementalDetokenizer
+from conveyor.engine.kv_cache_manager import KVCacheManager
+from conveyor.engine.request import Request, RequestStatus
+from conveyor.engine.scheduler import Scheduler, SchedulerConfig
+from conveyor.model.loader import load_model
+from conveyor.model.runner import ModelRunner, kv_bytes_per_block
+from conveyor.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from conveyor.sampling_params import SamplingParams
+
+logger = logging.getLogger("conveyor")
+
+Prompt = str | dict | list[int]
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+
+
+@dataclass
+class _Sample:
+    """One of a request's n samples: the schedulable request plus its text."""
+
+    request: Request
+    detokenizer: IncrementalDetokenizer
+    logprobs: list[dict[int, Logprob]] | None
+
+
+@dataclass
+class _RequestState:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    samples: list[_Sample]
+
+    @property
+    def finished(self) -> bool:
+        return all(s.request.is_finished for s in self.samples)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        if config.threads is not None:
+            torch.set_num_threads(config.threads)
+        loaded = load_model(config.model)
+        self.model_name = loaded.name
+        self.model_path = loaded.path
+        self.model_config = loaded.config
+        self.tokenizer = loaded.tokenizer
+        self.eos_token_ids = frozenset(loaded.eos_token_ids)
+        self.device = config.torch_device()
+        self.dtype = config.torch_dtype(loaded.config.torch_dtype, self.device)
+
+        per_block = kv_bytes_per_block(loaded.config, config.block_size, self.dtype)
+        num_blocks = config.num_kv_blocks or config.kv_cache_bytes(self.device) // per_block
+        model_len = config.max_model_len
+        if model_len is None:  # the model's own limit, clamped to what the pool can hold
+            model_len = min(loaded.config.max_position_embeddings, num_blocks * config.block_size)
+        self.max_model_len = model_len
+        self.scheduler = Scheduler(
+            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, model_len,
+                            config.policy),
+            KVCacheManager(num_blocks, config.block_size))
+        self.runner = ModelRunner(loaded.config, loaded.weights, dtype=self.dtype,
+                                  device=self.device, num_blocks=num_blocks,
+                                  block_size=config.block_size, max_model_len=model_len,
+                                  seed=config.seed)
+        self.kv_cache_bytes = num_blocks * per_block
+        self._states: dict[str, _RequestState] = {}
+        self._sample_owner: dict[str, _RequestState] = {}
+        self.last_batch_size = 0  # sequences in the last step, for the server's metrics
+
+    # -- requests ------------------------------------------------------------------------------
+    def tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" not in prompt:
+                raise ValueError("a dict prompt needs 'prompt_token_ids'")
+            ids = prompt["prompt_token_ids"]
+        else:
+            ids = prompt
+        if not isinstance(ids, (list, tuple)) or not all(isinstance(t, int) for t in ids):
+            raise ValueError("prompt_token_ids must be a list of integers")
+        return None, list(ids)
+
+    def check_request(self, prompt: Prompt, params: SamplingParams) -> tuple[str | None, list[int]]:
+        """Tokenize and validate; raises ValueError naming the problem."""
+        text, ids = self.tokenize(prompt)
+        if not ids:
+            raise ValueError("prompt must not be empty")
+        vocab = self.model_config.vocab_size
+        if any(t < 0 or t >= vocab for t in ids):
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        if len(ids) + params.max_tokens > self.max_model_len:
+            raise ValueError(
+                f"prompt ({len(ids)} tokens) plus max_tokens ({params.max_tokens}) exceeds "
+                f"max_model_len ({self.max_model_len})")
+        return text, ids
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True
+                            ) -> list[int]:
+        if not messages:
+            raise ValueError("messages must not be empty")
+        for m in messages:
+            if not isinstance(m, dict) or m.get("role") not in CHAT_ROLES:
+                raise ValueError(f"each message needs a role in {CHAT_ROLES}, got {m!r}")
+            if not isinstance(m.get("content"), str):
+                raise ValueError(f"message content must be a string, got {m.get('content')!r}")
+        if not self.tokenizer.chat_template:
+            raise ValueError(f"model {self.model_name} has no chat template")
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False,
+                                                  add_generation_prompt=add_generation_prompt)
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams,
+                    arrival_time: float | None = None) -> None:
+        """Validate and queue a request; raises ValueError (and queues nothing) on bad input."""
+        if request_id in self._states:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        text, ids = self.check_request(prompt, params)
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        state = _RequestState(request_id, text, ids, [])
+        for i in range(params.n):
+            sample_params = params if params.n == 1 else dataclasses.replace(
+                params, n=1, seed=None if params.seed is None else params.seed + i)
+            sample_id = request_id if params.n == 1 else f"{i}_{request_id}"
+            request = Request(sample_id, ids, sample_params, self.eos_token_ids, arrival)
+            state.samples.append(_Sample(
+                request, IncrementalDetokenizer(self.tokenizer, ids, sample_params.stop_strings),
+                [] if sample_params.logprobs is not None else None))
+        self._states[request_id] = state
+        for sample in state.samples:
+            self.scheduler.add_request(sample.request)
+            self._sample_owner[sample.request.request_id] = state
+
+    def abort_request(self, request_id: str) -> None:
+        state = self._states.pop(request_id, None)
+        if state is None:
+            return
+        for sample in state.samples:
+            self.scheduler.abort_request(sample.request.request_id)
+            self._sample_owner.pop(sample.request.request_id, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._states)
+
+    # -- the step ------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """One iteration; returns an output for every request that moved."""
+        sched = self.scheduler.schedule(time.monotonic())
+        self.last_batch_size = len(sched.scheduled)
+        for victim in sched.preempted:
+            logger.info("preempted %s (%d tokens) to free KV pages", victim.request_id,
+                        victim.num_tokens)
+        results = self.runner.execute(sched)
+        now = time.monotonic()
+        advanced = self.scheduler.update_from_output(
+            sched, {rid: r.token_id for rid, r in results.items()}, now)
+
+        touched: dict[str, _RequestState] = {}
+        for request in advanced:
+            state = self._sample_owner[request.request_id]
+            sample = next(s for s in state.samples if s.request is request)
+            result = results[request.request_id]
+            if sample.logprobs is not None:
+                sample.logprobs.append({tid: Logprob(lp, rank, self.tokenizer.decode([tid]))
+                                        for tid, lp, rank in result.logprobs})
+            stop = sample.detokenizer.add_token(
+                result.token_id,
+                check_stop=request.num_output_tokens >= request.sampling_params.min_tokens)
+            if stop is not None:  # a stop string outranks a length stop on the same token
+                request.stop_reason = stop
+                if request.is_finished:
+                    request.status = RequestStatus.FINISHED_STOPPED
+                else:
+                    self.scheduler.finish_request(request, RequestStatus.FINISHED_STOPPED)
+            if request.is_finished:
+                request.metrics.finished_time = now
+                self._sample_owner.pop(request.request_id)
+            touched[state.request_id] = state
+
+        outputs = []
+        for state in touched.values():
+            outputs.append(self._output(state))
+            if state.finished:
+                del self._states[state.request_id]
+        return outputs
+
+    def _output(self, state: _RequestState) -> RequestOutput:
+        completions = [CompletionOutput(i, s.detokenizer.text, list(s.request.output_token_ids),
+                                        s.request.finish_reason,
+                                        None if s.logprobs is None else list(s.logprobs),
+                                        s.request.stop_reason)
+                       for i, s in enumerate(state.samples)]
+        metrics = [s.request.metrics for s in state.samples]
+
+        def first(values):
+            values = [v for v in values if v is not None]
+            return min(values) if values else None
+
+        finished = state.finished
+        merged = RequestMetrics(
+            arrival_time=metrics[0].arrival_time,
+            first_scheduled_time=first(m.first_scheduled_time for m in metrics),
+            first_token_time=first(m.first_token_time for m in metrics),
+            finished_time=max(m.finished_time for m in metrics) if finished else None,
+            num_preemptions=sum(m.num_preemptions for m in metrics))
+        return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, completions,
+                             finished, merged)

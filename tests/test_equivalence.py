@@ -1,0 +1,136 @@
+"""Greedy output must match Hugging Face transformers token for token (float32).
+
+Where a token differs, it only counts as a numerical tie if transformers' own top-2 logits at that
+step are within 1e-4; the rest of that sequence is then not compared (it follows another path).
+Both policies run with a KV pool small enough that preemption happens, and a token budget small
+enough that the longest prompts are prefilled in chunks.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import random
+
+import pytest
+import torch
+import transformers
+
+from conveyor import LLM, SamplingParams
+
+TIE = 1e-4
+NEW_TOKENS = 40
+PROMPT_LENGTHS = [5, 9, 14, 20, 27, 33, 41, 50, 58, 66, 77, 90]
+
+TEXT = ("Continuous batching admits and evicts requests at every iteration of the model, so the "
+        "batch stays full while short answers finish and long ones keep going. The KV cache lives "
+        "in fixed-size pages drawn from a pool and returned the moment a request ends; without "
+        "paging, memory would be reserved for the longest possible answer of every request, and "
+        "far fewer requests could run at once. Static batching, by contrast, waits for the longest "
+        "request of a batch before it admits anyone new, which leaves finished slots idle.")
+
+
+def text_prompts(tokenizer) -> list[list[int]]:
+    ids = tokenizer.encode(TEXT)
+    assert len(ids) >= max(PROMPT_LENGTHS)
+    return [ids[i % 7:i % 7 + n] for i, n in enumerate(PROMPT_LENGTHS)]
+
+
+def random_prompts(vocab: int) -> list[list[int]]:
+    rng = random.Random(1234)
+    return [[rng.randrange(3, vocab) for _ in range(n)] for n in PROMPT_LENGTHS]
+
+
+@torch.inference_mode()
+def hf_greedy(model, prompt: list[int]) -> tuple[list[int], list[float]]:
+    """transformers' greedy continuation with its KV cache, and the top-2 logit gap at each step."""
+    tokens, gaps = [], []
+    cache = transformers.DynamicCache()
+    inputs = torch.tensor([prompt])
+    for _ in range(NEW_TOKENS):
+        out = model(input_ids=inputs, past_key_values=cache, use_cache=True)
+        logits = out.logits[0, -1].float()
+        top2 = logits.topk(2).values
+        tokens.append(int(logits.argmax()))
+        gaps.append(float(top2[0] - top2[1]))
+        inputs = torch.tensor([[tokens[-1]]])
+    return tokens, gaps
+
+
+@functools.lru_cache(maxsize=None)
+def reference(kind: str, path: str) -> tuple[list[list[int]], list[tuple[list[int], list[float]]]]:
+    if kind == "gguf":
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32)
+        tokenizer = transformers.AutoTokenizer.from_pretrained(
+            os.path.dirname(path), gguf_file=os.path.basename(path))
+        prompts = text_prompts(tokenizer)
+    else:
+        model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        prompts = random_prompts(model.config.vocab_size)
+    model.eval()
+    return prompts, [hf_greedy(model, p) for p in prompts]
+
+
+def compare(ours: list[int], ref: list[int], gaps: list[float]) -> bool:
+    """True if identical; False if they part at a tie; fails the test otherwise."""
+    for step, (a, b) in enumerate(zip(ours, ref)):
+        if a != b:
+            assert gaps[step] <= TIE, (
+                f"token {step} differs ({a} vs transformers' {b}) and transformers' top-2 gap "
+                f"{gaps[step]:.3g} is not a tie\nours: {ours}\nref:  {ref}")
+            return False
+    assert len(ours) == len(ref)
+    return True
+
+
+def run_conveyor(path: str | None, prompts, policy: str):
+    llm = LLM(model=path, dtype="float32", policy=policy, block_size=16, num_kv_blocks=20,
+              max_model_len=160, max_num_seqs=12, max_num_batched_tokens=64)
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    pool = llm.engine.scheduler.kv.pool
+    assert pool.num_free_blocks == pool.num_blocks, "KV pages leaked"
+    return outputs
+
+
+def check_model(kind: str, path: str, policy: str) -> None:
+    prompts, refs = reference(kind, path)
+    outputs = run_conveyor(None if kind == "gguf" else path, prompts, policy)
+    assert sum(o.metrics.num_preemptions for o in outputs) > 0, "the pool was meant to preempt"
+    identical = [compare(o.outputs[0].token_ids, *ref) for o, ref in zip(outputs, refs)]
+    assert all(o.prompt_token_ids == p for o, p in zip(outputs, prompts))
+    print(f"{kind} {policy}: {sum(identical)}/{len(identical)} identical, rest parted at ties")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("policy", ["continuous", "static"])
+def test_default_gguf_matches_transformers(default_gguf_path, policy):
+    check_model("gguf", default_gguf_path, policy)
+
+
+TINY = {
+    "llama": ("llama", {}),
+    "llama3-rope-tied": ("llama", {"rope_scaling": "llama3", "tie_word_embeddings": True}),
+    "mistral": ("mistral", {}),
+    "qwen2": ("qwen2", {}),
+    "qwen3": ("qwen3", {}),
+}
+
+
+@pytest.fixture(scope="module")
+def tiny_paths(tmp_path_factory):
+    from tiny_models import LLAMA3_ROPE_SCALING, make_tiny_checkpoint
+
+    paths = {}
+    for name, (arch, overrides) in TINY.items():
+        if overrides.get("rope_scaling") == "llama3":
+            overrides = dict(overrides, rope_scaling=LLAMA3_ROPE_SCALING)
+        paths[name] = make_tiny_checkpoint(tmp_path_factory.mktemp(name), arch, **overrides)
+    return paths
+
+
+@pytest.mark.parametrize("policy", ["continuous", "static"])
+@pytest.mark.parametrize("name", list(TINY))
+def test_tiny_checkpoints_match_transformers(tiny_paths, name, policy):
+    check_model("hf", tiny_paths[name], policy)
