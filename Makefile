@@ -5,7 +5,7 @@ export HF_HUB_OFFLINE := 1
 
 .PHONY: run test
 run: $(VENV)/.installed
-	$(VENV)/bin/conveyor generate $(ARGS)
+	$(VENV)/bin/conveyor serve $(ARGS)
 
 test: $(VENV)/.installed
 	$(PY) -m pytest -q $(PYTEST_ARGS)

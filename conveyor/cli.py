@@ -75,10 +75,21 @@ def main(argv: list[str] | None = None) -> None:
     gen.add_argument("--top-k", type=int, default=0)
     gen.add_argument("--sample-seed", type=int, default=None)
     gen.add_argument("--ignore-eos", action="store_true")
+    srv = sub.add_parser("serve", help="serve the OpenAI API over HTTP")
+    add_engine_args(srv)
+    srv.add_argument("--host", default="127.0.0.1")
+    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--served-model-name", nargs="+", default=None,
+                     help="model name(s) the API answers to (default: the model's own)")
+    srv.add_argument("--max-queue-len", type=int, default=None,
+                     help="answer 503 when this many requests wait (default: no limit)")
     args = parser.parse_args(argv)
     try:
         if args.command == "generate":
             _generate(args)
+        elif args.command == "serve":
+            from conveyor.server.launch import serve
+            serve(args)
     except (ValueError, FileNotFoundError) as e:
         print(f"conveyor: error: {e}", file=sys.stderr)
         sys.exit(2)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass
 
 import torch
@@ -25,8 +26,26 @@ from conveyor.sampling_params import SamplingParams
 
 logger = logging.getLogger("conveyor")
 
+STEP_HISTORY = 20_000  # per-step records kept for /v1/engine/steps (a few MB at most)
+
 Prompt = str | dict | list[int]
 CHAT_ROLES = ("system", "user", "assistant", "tool")
+
+
+@dataclass
+class StepRecord:
+    """What one iteration did: the raw material of occupancy and queue plots."""
+
+    step: int
+    time: float              # time.monotonic() at the end of the step
+    duration: float          # seconds the step took
+    num_scheduled: int       # requests in this step's batch
+    num_running: int         # requests holding a seat at the end of the step
+    num_waiting: int
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    kv_pages_used: int
+    num_preemptions: int     # in this step
 
 
 @dataclass
@@ -81,7 +100,8 @@ class LLMEngine:
         self.kv_cache_bytes = num_blocks * per_block
         self._states: dict[str, _RequestState] = {}
         self._sample_owner: dict[str, _RequestState] = {}
-        self.last_batch_size = 0  # sequences in the last step, for the server's metrics
+        self.steps: deque[StepRecord] = deque(maxlen=STEP_HISTORY)
+        self.num_steps = 0
 
     # -- requests ------------------------------------------------------------------------------
     def tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
@@ -159,10 +179,18 @@ class LLMEngine:
         return bool(self._states)
 
     # -- the step ------------------------------------------------------------------------------
+    @property
+    def last_batch_size(self) -> int:
+        return self.steps[-1].num_scheduled if self.steps else 0
+
+    def steps_since(self, step: int) -> list[StepRecord]:
+        """Records of steps numbered >= ``step`` that are still kept (safe from other threads)."""
+        return [r for r in list(self.steps) if r.step >= step]
+
     def step(self) -> list[RequestOutput]:
         """One iteration; returns an output for every request that moved."""
-        sched = self.scheduler.schedule(time.monotonic())
-        self.last_batch_size = len(sched.scheduled)
+        start = time.monotonic()
+        sched = self.scheduler.schedule(start)
         for victim in sched.preempted:
             logger.info("preempted %s (%d tokens) to free KV pages", victim.request_id,
                         victim.num_tokens)
@@ -198,6 +226,12 @@ class LLMEngine:
             outputs.append(self._output(state))
             if state.finished:
                 del self._states[state.request_id]
+        end = time.monotonic()
+        self.steps.append(StepRecord(
+            self.num_steps, end, end - start, len(sched.scheduled), len(self.scheduler.running),
+            len(self.scheduler.waiting), sched.num_prefill_tokens, sched.num_decode_tokens,
+            self.scheduler.kv.pool.num_used_blocks, len(sched.preempted)))
+        self.num_steps += 1
         return outputs
 
     def _output(self, state: _RequestState) -> RequestOutput:

@@ -1,0 +1,97 @@
+"""The FastAPI application: routes, error handlers and an OpenAPI schema that matches them."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Query, Request, Response
+from fastapi.openapi.utils import get_openapi
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from conveyor import __version__
+from conveyor.server.chat import create_chat_completion
+from conveyor.server.completions import create_completion
+from conveyor.server.errors import install_error_handlers
+from conveyor.server.protocol import (ChatCompletionRequest, ChatCompletionResponse,
+                                      CompletionRequest, CompletionResponse, EngineSteps,
+                                      ErrorResponse, ModelCard, ModelList, VersionInfo)
+from conveyor.server.serving import ServerState
+
+logger = logging.getLogger("conveyor.server")
+
+_GENERATE_RESPONSES = {
+    200: {"description": "JSON, or Server-Sent Events when `stream` is true",
+          "content": {"text/event-stream": {"schema": {"type": "string"}}}},
+    400: {"model": ErrorResponse, "description": "invalid request; `param` names the field"},
+    404: {"model": ErrorResponse, "description": "unknown model"},
+    503: {"model": ErrorResponse, "description": "queue full; see the Retry-After header"},
+}
+
+
+def build_app(state: ServerState, ready_message: str = "") -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        if ready_message:
+            logger.info("%s", ready_message)
+        yield
+        state.engine_thread.stop()
+
+    app = FastAPI(title="Conveyor", version=__version__, lifespan=lifespan,
+                  description="OpenAI-compatible API over a continuously batching engine")
+    install_error_handlers(app)
+
+    @app.get("/health", summary="200 once the model is loaded")
+    async def health() -> Response:
+        return Response(status_code=200)
+
+    @app.get("/version")
+    async def version() -> VersionInfo:
+        return VersionInfo(version=__version__)
+
+    @app.get("/v1/models")
+    async def models() -> ModelList:
+        return ModelList(data=[ModelCard(id=name, root=state.engine.model_path,
+                                         max_model_len=state.engine.max_model_len)
+                               for name in state.served_model_names])
+
+    @app.get("/metrics", summary="Prometheus metrics", response_class=Response,
+             responses={200: {"content": {CONTENT_TYPE_LATEST: {"schema": {"type": "string"}}}}})
+    async def metrics() -> Response:
+        return Response(state.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/engine/steps", summary="the engine's per-step record (bounded history)")
+    async def engine_steps(since: int = Query(0, ge=0)) -> EngineSteps:
+        # The engine thread appends while this reads: take "next" from what was copied.
+        known = state.engine.num_steps
+        records = state.engine.steps_since(since)
+        return EngineSteps(steps=records, next=records[-1].step + 1 if records else known)
+
+    @app.post("/v1/completions", response_model=CompletionResponse,
+              responses=_GENERATE_RESPONSES)
+    async def completions(body: CompletionRequest, raw: Request):
+        return await create_completion(body, raw, state)
+
+    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse,
+              responses=_GENERATE_RESPONSES)
+    async def chat_completions(body: ChatCompletionRequest, raw: Request):
+        return await create_chat_completion(body, raw, state)
+
+    app.openapi = lambda: _openapi(app)
+    return app
+
+
+def _openapi(app: FastAPI) -> dict:
+    """FastAPI's schema, less the 422 answers it documents by default: validation errors are
+    400s here, in OpenAI's error shape."""
+    if app.openapi_schema is None:
+        schema = get_openapi(title=app.title, version=app.version,
+                             description=app.description, routes=app.routes)
+        for path in schema["paths"].values():
+            for operation in path.values():
+                operation.get("responses", {}).pop("422", None)
+        for name in ("HTTPValidationError", "ValidationError"):
+            schema.get("components", {}).get("schemas", {}).pop(name, None)
+        app.openapi_schema = schema
+    return app.openapi_schema

@@ -1,0 +1,109 @@
+"""``POST /v1/chat/completions``: messages through the model's chat template."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+
+from fastapi import Request, Response
+from fastapi.responses import StreamingResponse
+
+from conveyor.outputs import CompletionOutput, RequestOutput
+from conveyor.server.engine_thread import Submission
+from conveyor.server.errors import bad_request
+from conveyor.server.protocol import (AssistantMessage, ChatChoice, ChatChunkChoice,
+                                      ChatCompletionChunk, ChatCompletionRequest,
+                                      ChatCompletionResponse, ChatLogprobs, DeltaMessage,
+                                      TokenLogprob, TopLogprob, UsageInfo)
+from conveyor.server.serving import ServerState, collect, engine_failure
+from conveyor.server.streaming import SSE_DONE, TextDeltas, sse
+
+
+def _logprobs(sample: CompletionOutput, tokens: slice, top: int) -> ChatLogprobs:
+    """OpenAI's chat logprobs for ``sample.token_ids[tokens]``, ``top`` alternatives each."""
+    content = []
+    for token_id, entries in zip(sample.token_ids[tokens], (sample.logprobs or [])[tokens]):
+        chosen = entries[token_id]
+        ranked = sorted(entries.values(), key=lambda lp: lp.rank)[:top]
+        content.append(TokenLogprob(
+            token=chosen.decoded_token or "", logprob=chosen.logprob,
+            bytes=list((chosen.decoded_token or "").encode()),
+            top_logprobs=[TopLogprob(token=lp.decoded_token or "", logprob=lp.logprob,
+                                     bytes=list((lp.decoded_token or "").encode()))
+                          for lp in ranked]))
+    return ChatLogprobs(content=content)
+
+
+async def create_chat_completion(body: ChatCompletionRequest, raw: Request,
+                                 state: ServerState) -> Response | ChatCompletionResponse:
+    state.check_model(body.model)
+    if body.top_logprobs is not None and not body.logprobs:
+        raise bad_request("top_logprobs needs logprobs to be true", "top_logprobs")
+    try:
+        ids = state.engine.apply_chat_template([m.template_dict() for m in body.messages],
+                                               body.add_generation_prompt)
+    except ValueError as e:
+        raise bad_request(str(e), "messages") from e
+    max_tokens = body.max_completion_tokens or body.max_tokens
+    limit_param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
+    if max_tokens is None:  # as much as the context leaves, as vLLM does
+        max_tokens = max(1, state.engine.max_model_len - len(ids))
+        limit_param = "messages"
+    top = (body.top_logprobs or 0) if body.logprobs else None
+    params = state.sampling_params(body, max_tokens, top)
+    _, ids = state.check_prompt({"prompt_token_ids": ids}, params, "messages", limit_param)
+    request_id, submission = state.submit("chatcmpl", [ids], params)
+    created = int(time.time())
+    if body.stream:
+        return StreamingResponse(_stream(state, body, request_id, created, submission,
+                                         params.stop_strings), media_type="text/event-stream")
+
+    finals = await collect(raw, submission, 1)
+    if finals is None:
+        return Response(status_code=499)
+    out = finals[0]
+    choices = [ChatChoice(index=s.index, message=AssistantMessage(content=s.text),
+                          logprobs=_logprobs(s, slice(None), top) if top is not None else None,
+                          finish_reason=s.finish_reason) for s in out.outputs]
+    return ChatCompletionResponse(id=request_id, created=created, model=state.model_name,
+                                  choices=choices, usage=_usage(out))
+
+
+def _usage(out: RequestOutput) -> UsageInfo:
+    return UsageInfo.of(len(out.prompt_token_ids), sum(len(s.token_ids) for s in out.outputs))
+
+
+async def _stream(state: ServerState, body: ChatCompletionRequest, request_id: str, created: int,
+                  submission: Submission, stop: list[str]) -> AsyncIterator[str]:
+    top = (body.top_logprobs or 0) if body.logprobs else None
+    deltas = [TextDeltas(stop) for _ in range(body.n)]
+    latest: RequestOutput | None = None
+
+    def chunk(choices: list[ChatChunkChoice], usage: UsageInfo | None = None) -> str:
+        return sse(ChatCompletionChunk(id=request_id, created=created, model=state.model_name,
+                                       choices=choices, usage=usage))
+
+    try:
+        for i in range(body.n):  # the role first, before any token, as OpenAI does
+            yield chunk([ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant",
+                                                                     content=""))])
+        async for _, out in submission.outputs():
+            latest = out
+            for sample in out.outputs:
+                d = deltas[sample.index]
+                if d.done:
+                    continue
+                text, tokens = d.next(sample)
+                if not text and not sample.finished:
+                    continue
+                yield chunk([ChatChunkChoice(
+                    index=sample.index, delta=DeltaMessage(content=text or None),
+                    logprobs=_logprobs(sample, tokens, top) if top is not None else None,
+                    finish_reason=sample.finish_reason)])
+        if body.include_usage and latest is not None:
+            yield chunk([], _usage(latest))
+    except Exception as e:  # reported in the stream: the 200 status is already sent
+        yield sse({"error": engine_failure(e).info.model_dump()})
+    finally:
+        submission.abort()
+    yield SSE_DONE

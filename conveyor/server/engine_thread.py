@@ -1,0 +1,229 @@
+"""The bridge between asyncio request handlers and the (not thread-safe) engine.
+
+The engine runs on one daemon thread that owns it: it drains an inbox of add/abort commands,
+steps while there is work and otherwise blocks on the inbox, and hands each output to the waiting
+handler with ``call_soon_threadsafe``. HTTP handlers therefore never wait on a step to be accepted,
+and the engine never waits on HTTP.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from conveyor.engine.engine import LLMEngine
+from conveyor.outputs import RequestOutput
+from conveyor.sampling_params import SamplingParams
+from conveyor.server.metrics import ServerMetrics
+
+logger = logging.getLogger("conveyor.server")
+
+
+@dataclass
+class EngineRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+
+
+@dataclass
+class _Add:
+    request: EngineRequest
+    loop: asyncio.AbstractEventLoop
+    outbox: asyncio.Queue
+    arrival_time: float
+
+
+@dataclass
+class _Abort:
+    request_id: str
+
+
+@dataclass
+class _Live:
+    """What the engine thread knows about one request it is running."""
+
+    loop: asyncio.AbstractEventLoop
+    outbox: asyncio.Queue
+    num_prompt_tokens: int
+    num_output_tokens: int = 0
+
+    def deliver(self, item: RequestOutput | Exception) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.outbox.put_nowait, item)
+        except RuntimeError:  # the event loop is closed: nobody is listening any more
+            pass
+
+
+_STOP = object()
+
+
+class QueueFull(Exception):
+    pass
+
+
+class Submission:
+    """The outputs of one HTTP request's engine requests, as they arrive."""
+
+    def __init__(self, inbox: queue.Queue, requests: list[EngineRequest]) -> None:
+        self._inbox = inbox
+        self.outbox: asyncio.Queue = asyncio.Queue()
+        self._index = {r.request_id: i for i, r in enumerate(requests)}
+        self._unfinished = set(self._index)
+
+    async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Yield ``(index, output)`` until all finish; leaving early aborts the rest."""
+        try:
+            while self._unfinished:
+                item = await self.outbox.get()
+                if isinstance(item, Exception):
+                    raise item
+                if item.finished:
+                    self._unfinished.discard(item.request_id)
+                yield self._index[item.request_id], item
+        finally:
+            self.abort()
+
+    def abort(self) -> None:
+        for request_id in self._unfinished:
+            self._inbox.put(_Abort(request_id))
+        self._unfinished.clear()
+
+
+class EngineThread:
+    def __init__(self, engine: LLMEngine, metrics: ServerMetrics,
+                 max_queue_len: int | None = None) -> None:
+        self.engine = engine
+        self.metrics = metrics
+        self.max_queue_len = max_queue_len
+        self._inbox: queue.Queue = queue.Queue()
+        self._live: dict[str, _Live] = {}  # engine thread only
+        self._lock = threading.Lock()      # guards the two queue-length counts below
+        self._num_pending = 0              # adds in the inbox, not yet seen by the engine
+        self._num_waiting = 0              # the scheduler's waiting queue, as last seen
+        self._thread = threading.Thread(target=self._run, name="conveyor-engine", daemon=True)
+
+    # -- asyncio side --------------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        if self._thread.is_alive():
+            self._inbox.put(_STOP)
+            self._thread.join(timeout)
+
+    def submit(self, requests: list[EngineRequest]) -> Submission:
+        """Queue validated requests at once; raises QueueFull when ``max_queue_len`` wait."""
+        with self._lock:
+            if (self.max_queue_len is not None
+                    and self._num_pending + self._num_waiting >= self.max_queue_len):
+                raise QueueFull(f"{self._num_pending + self._num_waiting} requests are waiting "
+                                f"(--max-queue-len {self.max_queue_len})")
+            self._num_pending += len(requests)
+        submission = Submission(self._inbox, requests)
+        loop = asyncio.get_running_loop()
+        now = time.monotonic()
+        for r in requests:
+            self._inbox.put(_Add(r, loop, submission.outbox, now))
+        return submission
+
+    # -- engine thread -------------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            try:
+                if not self._drain(block=not self.engine.has_unfinished_requests()):
+                    return
+                if self.engine.has_unfinished_requests():
+                    self._step()
+                self.metrics.observe_engine(self.engine)
+            except Exception:  # a bug must not silently stop serving every later request
+                logger.exception("engine loop error; carrying on")
+
+    def _drain(self, block: bool) -> bool:
+        """Apply queued commands; False once told to stop."""
+        try:
+            item = self._inbox.get() if block else self._inbox.get_nowait()
+            while True:
+                if item is _STOP:
+                    return False
+                if isinstance(item, _Add):
+                    self._add(item)
+                else:
+                    self._abort(item.request_id)
+                item = self._inbox.get_nowait()
+        except queue.Empty:
+            return True
+
+    def _add(self, cmd: _Add) -> None:
+        r = cmd.request
+        live = _Live(cmd.loop, cmd.outbox, len(r.prompt_token_ids))
+        try:
+            self.engine.add_request(r.request_id, {"prompt_token_ids": r.prompt_token_ids},
+                                    r.params, arrival_time=cmd.arrival_time)
+        except Exception as e:  # a bad request fails alone; the engine carries on
+            logger.warning("rejected %s: %s", r.request_id, e)
+            live.deliver(e if isinstance(e, ValueError) else RuntimeError(str(e)))
+        else:
+            self._live[r.request_id] = live
+            self.metrics.prompt_tokens.inc(len(r.prompt_token_ids))
+        finally:
+            with self._lock:
+                self._num_pending -= 1
+                self._num_waiting = len(self.engine.scheduler.waiting)
+
+    def _abort(self, request_id: str) -> None:
+        live = self._live.pop(request_id, None)
+        if live is None:
+            return
+        self.engine.abort_request(request_id)
+        self.metrics.count_finish("abort")
+        logger.info("aborted %s (client gone) after %d output tokens", request_id,
+                    live.num_output_tokens)
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception:
+            logger.exception("engine step failed; failing the requests in flight")
+            for request_id, live in list(self._live.items()):
+                self._live.pop(request_id)
+                try:
+                    self.engine.abort_request(request_id)
+                except Exception:
+                    logger.exception("abort of %s failed", request_id)
+                live.deliver(RuntimeError("the engine failed while running this request"))
+            return
+        with self._lock:
+            self._num_waiting = len(self.engine.scheduler.waiting)
+        for out in outputs:
+            live = self._live.get(out.request_id)
+            if live is None:  # aborted while this step ran
+                continue
+            num_output = sum(len(c.token_ids) for c in out.outputs)
+            self.metrics.generation_tokens.inc(num_output - live.num_output_tokens)
+            live.num_output_tokens = num_output
+            if out.finished:
+                del self._live[out.request_id]
+                self.metrics.observe_finished(out)
+                _log_finished(out, live)
+            live.deliver(out)
+
+
+def _log_finished(out: RequestOutput, live: _Live) -> None:
+    m = out.metrics
+
+    def span(a: float | None, b: float | None) -> float:
+        return (b - a) if a is not None and b is not None else 0.0
+
+    logger.info("finished %s: %d prompt + %d output tokens, queue %.3f s, prefill %.3f s, "
+                "decode %.3f s, %d preemptions, finish %s", out.request_id,
+                live.num_prompt_tokens, live.num_output_tokens,
+                span(m.arrival_time, m.first_scheduled_time),
+                span(m.first_scheduled_time, m.first_token_time),
+                span(m.first_token_time, m.finished_time), m.num_preemptions,
+                ",".join(str(c.finish_reason) for c in out.outputs))

@@ -1,0 +1,91 @@
+"""Prometheus metrics with vLLM's meanings under a ``conveyor:`` prefix.
+
+Each server owns a private registry, so two servers (or tests) in one process never share
+counters. Only the engine thread writes; prometheus_client makes reads from /metrics safe.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from conveyor.outputs import RequestOutput
+
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+                    5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
+_TPOT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
+                 1.0, 2.5, 5.0, 10.0)
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        self.model_name = model_name
+        self._preemptions_seen = 0
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(f"conveyor:{name}", doc, ["model_name"],
+                         registry=self.registry).labels(model_name)
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(f"conveyor:{name}", doc, ["model_name"],
+                           registry=self.registry).labels(model_name)
+
+        def histogram(name: str, doc: str, buckets=_LATENCY_BUCKETS) -> Histogram:
+            return Histogram(f"conveyor:{name}", doc, ["model_name"], buckets=buckets,
+                             registry=self.registry).labels(model_name)
+
+        self.running = gauge("num_requests_running", "Sequences in the running batch.")
+        self.waiting = gauge("num_requests_waiting", "Sequences waiting to be scheduled.")
+        self.kv_usage = gauge("kv_cache_usage_perc", "Fraction of KV pages in use (0..1).")
+        self.batch_size = gauge("iteration_batch_size", "Sequences scheduled in the last step.")
+        self.preemptions = counter("num_preemptions", "Preemptions (by recompute) so far.")
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of accepted requests.")
+        self.generation_tokens = counter("generation_tokens", "Tokens generated.")
+        self._success = Counter("conveyor:request_success", "Finished sequences by finish reason.",
+                                ["model_name", "finished_reason"], registry=self.registry)
+        self.ttft = histogram("time_to_first_token_seconds", "Arrival to first token.")
+        self.tpot = histogram("time_per_output_token_seconds",
+                              "Mean time between output tokens of a request.", _TPOT_BUCKETS)
+        self.e2e = histogram("e2e_request_latency_seconds", "Arrival to finish.")
+        self.queue_time = histogram("request_queue_time_seconds", "Arrival to first scheduled.")
+        self.prefill_time = histogram("request_prefill_time_seconds",
+                                      "First scheduled to first token.")
+        self.decode_time = histogram("request_decode_time_seconds", "First token to finish.")
+
+    def observe_engine(self, engine) -> None:
+        """Refresh the gauges from the engine's state (engine thread only)."""
+        sched = engine.scheduler
+        self.running.set(len(sched.running))
+        self.waiting.set(len(sched.waiting))
+        self.kv_usage.set(sched.kv.pool.usage)
+        self.batch_size.set(engine.last_batch_size)
+        new_preemptions = sched.num_preemptions_total - self._preemptions_seen
+        if new_preemptions:
+            self.preemptions.inc(new_preemptions)
+            self._preemptions_seen = sched.num_preemptions_total
+
+    def count_finish(self, reason: str, n: int = 1) -> None:
+        self._success.labels(self.model_name, reason).inc(n)
+
+    def observe_finished(self, out: RequestOutput) -> None:
+        m = out.metrics
+        for completion in out.outputs:
+            self.count_finish(completion.finish_reason or "abort")
+        if m.finished_time is None:
+            return
+        self.e2e.observe(m.finished_time - m.arrival_time)
+        if m.first_scheduled_time is not None:
+            self.queue_time.observe(m.first_scheduled_time - m.arrival_time)
+        if m.first_token_time is None:
+            return
+        self.ttft.observe(m.first_token_time - m.arrival_time)
+        if m.first_scheduled_time is not None:
+            self.prefill_time.observe(m.first_token_time - m.first_scheduled_time)
+        decode = m.finished_time - m.first_token_time
+        self.decode_time.observe(decode)
+        longest = max(len(c.token_ids) for c in out.outputs)
+        if longest > 1:
+            self.tpot.observe(decode / (longest - 1))
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,103 @@
+"""What the completions and chat handlers share: checking a request against the served model,
+queueing it, and collecting its outputs while watching for the client to leave."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from dataclasses import dataclass
+
+from fastapi import Request
+
+from conveyor.engine.engine import LLMEngine, Prompt
+from conveyor.outputs import RequestOutput
+from conveyor.sampling_params import SamplingParams
+from conveyor.server.engine_thread import EngineRequest, EngineThread, QueueFull, Submission
+from conveyor.server.errors import APIError, bad_request
+from conveyor.server.metrics import ServerMetrics
+from conveyor.server.protocol import SamplingFields
+
+RETRY_AFTER_S = 1
+
+
+@dataclass
+class ServerState:
+    engine: LLMEngine          # read-only here (tokenizer, limits); the thread owns the rest
+    engine_thread: EngineThread
+    metrics: ServerMetrics
+    served_model_names: list[str]
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_names[0]
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name not in self.served_model_names:
+            raise APIError(404, f"the model {name!r} does not exist; this server serves "
+                           f"{self.served_model_names}", "model", "model_not_found")
+
+    def sampling_params(self, body: SamplingFields, max_tokens: int,
+                        logprobs: int | None) -> SamplingParams:
+        try:
+            return body.sampling_params(max_tokens, logprobs)
+        except ValueError as e:  # the message starts with the parameter's name
+            name = str(e).split(" ", 1)[0]
+            raise bad_request(str(e), name if name in type(body).model_fields else None) from e
+
+    def check_prompt(self, prompt: Prompt, params: SamplingParams, param: str,
+                     limit_param: str = "max_tokens") -> tuple[str | None, list[int]]:
+        """Tokenize and check against the engine's limits, as the engine would on add;
+        ``limit_param`` is named when prompt plus output would exceed ``max_model_len``."""
+        try:
+            return self.engine.check_request(prompt, params)
+        except ValueError as e:
+            raise bad_request(str(e), limit_param if "max_model_len" in str(e) else param) from e
+
+    def submit(self, prefix: str, prompts: list[list[int]], params: SamplingParams
+               ) -> tuple[str, Submission]:
+        request_id = f"{prefix}-{uuid.uuid4().hex}"
+        ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}"
+                                                       for i in range(len(prompts))]
+        try:
+            return request_id, self.engine_thread.submit(
+                [EngineRequest(i, p, params) for i, p in zip(ids, prompts)])
+        except QueueFull as e:
+            raise APIError(503, f"the server is overloaded: {e}; retry later", None,
+                           "queue_full", {"Retry-After": str(RETRY_AFTER_S)}) from e
+
+
+def engine_failure(exc: Exception) -> APIError:
+    """An error the engine thread reported for a queued request."""
+    if isinstance(exc, ValueError):
+        return bad_request(str(exc), None)
+    return APIError(500, str(exc), code="engine_error")
+
+
+async def _until_disconnected(raw: Request) -> None:
+    while (await raw.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def collect(raw: Request, submission: Submission, count: int
+                  ) -> list[RequestOutput] | None:
+    """The final output of each request, or None when the client left first (which aborts)."""
+    finals: list[RequestOutput | None] = [None] * count
+
+    async def consume() -> None:
+        async for i, out in submission.outputs():
+            finals[i] = out
+
+    work = asyncio.ensure_future(consume())
+    watch = asyncio.ensure_future(_until_disconnected(raw))
+    try:
+        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not work.done():
+            work.cancel()
+            submission.abort()
+    if work.cancelled():
+        return None
+    if work.exception() is not None:
+        raise engine_failure(work.exception())
+    return finals  # type: ignore[return-value]

@@ -1,0 +1,78 @@
+"""A ``conveyor serve`` subprocess on a free loopback port, for the server tests."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+SERVE = [sys.executable, "-m", "conveyor.cli", "serve"]
+# Small enough for 2 CPU cores; the pool holds 512 x 16 tokens.
+COMMON_ARGS = ["--dtype", "bfloat16", "--num-kv-blocks", "512", "--max-model-len", "1024"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    def __init__(self, *args: str) -> None:
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self._log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)
+        env = dict(os.environ, HF_HUB_OFFLINE="1")
+        self.proc = subprocess.Popen([*SERVE, "--port", str(self.port), *COMMON_ARGS, *args],
+                                     stdout=self._log, stderr=subprocess.STDOUT, env=env)
+
+    def log(self) -> str:
+        with open(self._log.name) as f:
+            return f.read()
+
+    def wait_ready(self, timeout: float = 180.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()}")
+            try:
+                if httpx.get(f"{self.base_url}/health", timeout=1.0).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+        raise TimeoutError(f"server not ready after {timeout} s:\n{self.log()[-4000:]}")
+
+    def terminate(self, timeout: float = 60.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        os.unlink(self._log.name)
+        return self.proc.returncode
+
+    def metrics(self) -> dict[str, float]:
+        """Samples by name (labels summed over), e.g. ``conveyor:num_requests_running``."""
+        text = httpx.get(f"{self.base_url}/metrics", timeout=5.0).text
+        return parse_metrics(text)
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    values: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            key = sample.name
+            if sample.name.endswith("request_success_total"):
+                key = f"{sample.name}:{sample.labels.get('finished_reason')}"
+            values[key] = values.get(key, 0.0) + sample.value
+    return values
