@@ -7,6 +7,7 @@ import dataclasses
 import sys
 import time
 
+from conveyor.bench.cli import add_bench_parser, run_bench
 from conveyor.config import EngineConfig
 
 
@@ -83,6 +84,7 @@ def main(argv: list[str] | None = None) -> None:
                      help="model name(s) the API answers to (default: the model's own)")
     srv.add_argument("--max-queue-len", type=int, default=None,
                      help="answer 503 when this many requests wait (default: no limit)")
+    add_bench_parser(sub)
     args = parser.parse_args(argv)
     try:
         if args.command == "generate":
@@ -90,7 +92,9 @@ def main(argv: list[str] | None = None) -> None:
         elif args.command == "serve":
             from conveyor.server.launch import serve
             serve(args)
-    except (ValueError, FileNotFoundError) as e:
+        else:
+            run_bench(args)
+    except (ValueError, FileNotFoundError, RuntimeError) as e:
         print(f"conveyor: error: {e}", file=sys.stderr)
         sys.exit(2)
 

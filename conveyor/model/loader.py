@@ -77,6 +77,16 @@ def load_model(path: str | None = None) -> LoadedModel:
     raise ValueError(f"expected a .gguf file or a Hugging Face model folder, got {path}")
 
 
+def load_tokenizer(path: str | None = None) -> transformers.PreTrainedTokenizerBase:
+    """Only the tokenizer of a model (GGUF file or HF folder; None: the default model)."""
+    path = default_model_path() if path is None else os.fspath(path)
+    if path.endswith(".gguf") and os.path.isfile(path):
+        return load_gguf_tokenizer(path)
+    if os.path.isdir(path):
+        return transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
+    raise FileNotFoundError(f"no tokenizer at {path} (expected a .gguf file or a model folder)")
+
+
 def _load_gguf(path: str) -> LoadedModel:
     reader = gguf.GGUFReader(path)
     config = gguf_config(reader)
@@ -104,7 +114,7 @@ def _load_hf_folder(folder: str) -> LoadedModel:
     weights = _hf_weights(_read_safetensors(folder), config)
     check_weights(weights, config)
 
-    tokenizer = transformers.AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    tokenizer = load_tokenizer(folder)
     generation_path = os.path.join(folder, "generation_config.json")
     generation_eos = None
     if os.path.isfile(generation_path):

@@ -1,0 +1,74 @@
+"""Start and stop a Conveyor server for one benchmark configuration."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ConveyorServer:
+    """``conveyor serve`` in a child process; a context manager that waits for /health."""
+
+    def __init__(self, flags: list[str], log_path: str, startup_timeout: float = 600.0) -> None:
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.flags = flags
+        self.log_path = log_path
+        self.startup_timeout = startup_timeout
+        self.proc: subprocess.Popen | None = None
+
+    def __enter__(self) -> "ConveyorServer":
+        self._log = open(self.log_path, "w")
+        cmd = [sys.executable, "-m", "conveyor.cli", "serve", "--port", str(self.port),
+               *self.flags]
+        env = dict(os.environ, HF_HUB_OFFLINE="1")
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env)
+        deadline = time.monotonic() + self.startup_timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                self._log.close()
+                with open(self.log_path) as f:
+                    tail = f.read()[-2000:]
+                raise RuntimeError(f"conveyor serve {' '.join(self.flags)} exited with "
+                                   f"{self.proc.returncode}:\n{tail}")
+            try:
+                if httpx.get(self.base_url + "/health", timeout=2).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        self.__exit__(None, None, None)
+        raise RuntimeError(f"conveyor serve did not become healthy in {self.startup_timeout} s")
+
+    def __exit__(self, *exc) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+
+    def steps(self, since: int = 0) -> dict:
+        """The server's per-step record from step ``since`` on."""
+        resp = httpx.get(f"{self.base_url}/v1/engine/steps", params={"since": since}, timeout=60)
+        resp.raise_for_status()
+        return resp.json()
+
+    def warm_up(self, model: str) -> None:
+        """One short request, so first-call costs stay out of the measurement."""
+        httpx.post(self.base_url + "/v1/completions", timeout=300,
+                   json={"model": model, "prompt": "Hello", "max_tokens": 4}).raise_for_status()

@@ -1,0 +1,169 @@
+"""``conveyor bench serve``: replay a workload against any OpenAI-compatible server.
+
+Flag names and metric definitions follow vLLM's ``vllm bench serve``, so results compare.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import time
+
+import httpx
+import numpy as np
+from tqdm import tqdm
+
+from conveyor.bench.client import ENDPOINTS, RequestResult, send_request
+from conveyor.bench.datasets import (BenchRequest, conversation_dataset, jsonl_dataset,
+                                     random_dataset)
+from conveyor.bench.metrics import METRICS, compute_metrics, format_report, parse_goodput
+
+
+def add_workload_args(p: argparse.ArgumentParser) -> None:
+    """The flags that define the traffic (shared by serve, compare and tune)."""
+    p.add_argument("--endpoint", default="/v1/completions", choices=ENDPOINTS)
+    p.add_argument("--tokenizer", default=None,
+                   help="GGUF file or HF folder for counting tokens (default: the default model)")
+    p.add_argument("--num-prompts", type=int, default=100)
+    p.add_argument("--request-rate", type=float, default=math.inf,
+                   help="requests per second, Poisson arrivals; inf sends all at once")
+    p.add_argument("--burstiness", type=float, default=1.0,
+                   help="gamma shape of the arrival gaps: 1 is Poisson, < 1 burstier")
+    p.add_argument("--max-concurrency", type=int, default=None)
+    p.add_argument("--dataset-name", default="random", choices=["random", "conversation", "jsonl"])
+    p.add_argument("--dataset-path", default=None, help="JSONL file for --dataset-name jsonl")
+    p.add_argument("--random-input-len", type=int, default=256)
+    p.add_argument("--random-output-len", type=int, default=128)
+    p.add_argument("--random-range-ratio", type=float, default=0.0)
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--percentile-metrics", default="ttft,tpot,itl,e2el")
+    p.add_argument("--metric-percentiles", default="50,90,95,99")
+    p.add_argument("--goodput", nargs="+", default=None, metavar="NAME:MS",
+                   help="SLOs for goodput, e.g. ttft:500 tpot:50 e2el:10000")
+    p.add_argument("--disable-tqdm", action="store_true")
+
+
+def add_serve_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--base-url", default="http://127.0.0.1:8000")
+    p.add_argument("--model", default=None, help="model name to send (default: the server's first)")
+    add_workload_args(p)
+    p.add_argument("--save-result", action="store_true")
+    p.add_argument("--result-dir", default=".")
+    p.add_argument("--result-filename", default=None)
+
+
+def build_workload(args: argparse.Namespace) -> list[BenchRequest]:
+    from conveyor.model.loader import load_tokenizer
+
+    tokenizer = load_tokenizer(args.tokenizer)
+    if args.dataset_name == "conversation":
+        return conversation_dataset(tokenizer, args.num_prompts, args.seed)
+    if args.dataset_name == "jsonl":
+        if not args.dataset_path:
+            raise ValueError("--dataset-name jsonl needs --dataset-path")
+        return jsonl_dataset(tokenizer, args.dataset_path, args.num_prompts,
+                             args.random_output_len)
+    return random_dataset(tokenizer, args.num_prompts, args.seed, args.random_input_len,
+                          args.random_output_len, args.random_range_ratio)
+
+
+def parse_selection(args: argparse.Namespace) -> tuple[tuple[str, ...], tuple[float, ...]]:
+    selected = tuple(m.strip() for m in args.percentile_metrics.split(",") if m.strip())
+    unknown = set(selected) - set(METRICS)
+    if unknown:
+        raise ValueError(f"--percentile-metrics: unknown {sorted(unknown)} (known: {METRICS})")
+    try:
+        percentiles = tuple(float(p) for p in args.metric_percentiles.split(","))
+    except ValueError:
+        raise ValueError(f"--metric-percentiles {args.metric_percentiles!r} is not a list of "
+                         f"numbers") from None
+    if not all(0 < p < 100 for p in percentiles):
+        raise ValueError("--metric-percentiles must be in (0, 100)")
+    return selected, percentiles
+
+
+def arrival_gaps(n: int, rate: float, burstiness: float, seed: int) -> list[float]:
+    """Seconds to wait after each request: gamma gaps with mean 1/rate (Poisson at shape 1)."""
+    if math.isinf(rate):
+        return [0.0] * n
+    if rate <= 0 or burstiness <= 0:
+        raise ValueError("--request-rate and --burstiness must be positive")
+    rng = np.random.default_rng(seed)
+    return rng.gamma(shape=burstiness, scale=1.0 / (rate * burstiness), size=n).tolist()
+
+
+async def run_load(base_url: str, endpoint: str, model: str, workload: list[BenchRequest],
+                   gaps: list[float], max_concurrency: int | None, ignore_eos: bool,
+                   show_progress: bool = True) -> tuple[list[RequestResult], float]:
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    timeout = httpx.Timeout(6 * 3600.0, connect=30.0)
+    semaphore = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+    bar = tqdm(total=len(workload), disable=not show_progress, desc="requests")
+
+    async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
+        async def one(req: BenchRequest) -> RequestResult:
+            if semaphore is None:
+                result = await send_request(client, base_url, endpoint, model, req, ignore_eos)
+            else:
+                async with semaphore:
+                    result = await send_request(client, base_url, endpoint, model, req, ignore_eos)
+            bar.update(1)
+            return result
+
+        start = time.perf_counter()
+        tasks = []
+        for req, gap in zip(workload, gaps):
+            tasks.append(asyncio.create_task(one(req)))
+            if gap:
+                await asyncio.sleep(gap)
+        results = await asyncio.gather(*tasks)
+        duration = time.perf_counter() - start
+    bar.close()
+    return list(results), duration
+
+
+def served_model(base_url: str) -> str:
+    resp = httpx.get(base_url.rstrip("/") + "/v1/models", timeout=30)
+    resp.raise_for_status()
+    return resp.json()["data"][0]["id"]
+
+
+def benchmark(args: argparse.Namespace, workload: list[BenchRequest] | None = None) -> dict:
+    """Run the load, print vLLM's report and return the result dict (also saved if asked)."""
+    selected, percentiles = parse_selection(args)
+    slos = parse_goodput(args.goodput)
+    workload = workload if workload is not None else build_workload(args)
+    model = args.model or served_model(args.base_url)
+    gaps = arrival_gaps(len(workload), args.request_rate, args.burstiness, args.seed)
+    results, duration = asyncio.run(run_load(args.base_url, args.endpoint, model, workload, gaps,
+                                             args.max_concurrency, args.ignore_eos,
+                                             not args.disable_tqdm))
+    metrics = compute_metrics(results, duration, selected, percentiles, slos)
+    print(format_report(metrics, selected, percentiles))
+    errors = sorted({r.error for r in results if not r.success})
+    for e in errors[:5]:
+        print(f"  failure: {e}")
+    result = {
+        "date": time.strftime("%Y%m%d-%H%M%S"), "base_url": args.base_url,
+        "endpoint": args.endpoint, "model": model, "num_prompts": len(workload),
+        "dataset_name": args.dataset_name, "request_rate": args.request_rate,
+        "burstiness": args.burstiness, "max_concurrency": args.max_concurrency,
+        "ignore_eos": args.ignore_eos, "goodput_slos_ms": slos, **metrics.summary,
+        "input_lens": [r.prompt_len for r in results],
+        "output_lens": [r.output_tokens for r in results],
+        "ttfts": [r.ttft for r in results], "e2els": [r.latency for r in results],
+        "itls": [r.itl for r in results], "errors": [r.error for r in results],
+    }
+    if getattr(args, "save_result", False):
+        os.makedirs(args.result_dir, exist_ok=True)
+        name = args.result_filename or f"bench-{result['date']}.json"
+        path = os.path.join(args.result_dir, name)
+        with open(path, "w") as f:
+            json.dump(result, f, indent=1)
+        print(f"result saved to {path}")
+    return result
+
