@@ -28,6 +28,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-model-len", type=int, default=None,
                    help="longest prompt + output (default: the model's, capped by the pool)")
     g.add_argument("--policy", default="continuous", choices=["continuous", "static"])
+    g.add_argument("--enable-prefix-caching", default=True, action=argparse.BooleanOptionalAction,
+                   help="reuse the KV pages of shared prompt prefixes (default: on)")
+    g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],
+                   help="priority: lower `priority` values are admitted first and preempted last")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
     g.add_argument("--threads", type=int, default=None, help="CPU threads for the model")
@@ -38,7 +42,9 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                         num_kv_blocks=args.num_kv_blocks, kv_cache_memory=args.kv_cache_memory,
                         max_num_seqs=args.max_num_seqs,
                         max_num_batched_tokens=args.max_num_batched_tokens,
-                        max_model_len=args.max_model_len, policy=args.policy, seed=args.seed,
+                        max_model_len=args.max_model_len, policy=args.policy,
+                        enable_prefix_caching=args.enable_prefix_caching,
+                        scheduling_policy=args.scheduling_policy, seed=args.seed,
                         device=args.device, threads=args.threads)
 
 

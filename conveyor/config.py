@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from conveyor.engine.scheduler import POLICIES
+from conveyor.engine.scheduler import POLICIES, SCHEDULING_POLICIES
 
 _DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
            "float16": torch.float16, "half": torch.float16}
@@ -48,6 +48,8 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None
     policy: str = "continuous"
+    enable_prefix_caching: bool = True
+    scheduling_policy: str = "fcfs"
     seed: int = 0
     device: str | None = None   # None: CUDA when present, else CPU
     threads: int | None = None  # CPU threads for the model; None: PyTorch's default
@@ -57,6 +59,9 @@ class EngineConfig:
             raise ValueError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {self.dtype!r}")
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, "
+                             f"got {self.scheduling_policy!r}")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {getattr(self, name)!r}")

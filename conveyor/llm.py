@@ -16,13 +16,15 @@ class LLM:
     def __init__(self, model: str | None = None, dtype: str = "auto", block_size: int = 16,
                  num_kv_blocks: int | None = None, kv_cache_memory: int | str | None = None,
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
-                 max_model_len: int | None = None, policy: str = "continuous", seed: int = 0,
-                 device: str | None = None, threads: int | None = None) -> None:
+                 max_model_len: int | None = None, policy: str = "continuous",
+                 enable_prefix_caching: bool = True, scheduling_policy: str = "fcfs",
+                 seed: int = 0, device: str | None = None, threads: int | None = None) -> None:
         self.engine = LLMEngine(EngineConfig(
             model=model, dtype=dtype, block_size=block_size, num_kv_blocks=num_kv_blocks,
             kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
-            policy=policy, seed=seed, device=device, threads=threads))
+            policy=policy, enable_prefix_caching=enable_prefix_caching,
+            scheduling_policy=scheduling_policy, seed=seed, device=device, threads=threads))
         self._next_id = 0
 
     def get_tokenizer(self):
@@ -30,8 +32,10 @@ class LLM:
 
     def generate(self, prompts: Prompt | list[Prompt],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
-        """Run every prompt to completion with continuous batching; outputs in input order."""
+                 use_tqdm: bool = True, priority: list[int] | None = None) -> list[RequestOutput]:
+        """Run every prompt to completion with continuous batching; outputs in input order.
+
+        ``priority`` (one per prompt, lower first) matters under ``scheduling_policy="priority"``."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         if sampling_params is None:
@@ -41,14 +45,17 @@ class LLM:
         if len(sampling_params) != len(prompts):
             raise ValueError(f"got {len(sampling_params)} sampling_params for "
                              f"{len(prompts)} prompts")
+        priority = [0] * len(prompts) if priority is None else priority
+        if len(priority) != len(prompts):
+            raise ValueError(f"got {len(priority)} priorities for {len(prompts)} prompts")
         # Validate everything before queueing anything, so a bad prompt loses no work.
         for prompt, params in zip(prompts, sampling_params):
             self.engine.check_request(prompt, params)
         ids = []
-        for prompt, params in zip(prompts, sampling_params):
+        for prompt, params, prio in zip(prompts, sampling_params, priority):
             ids.append(str(self._next_id))
             self._next_id += 1
-            self.engine.add_request(ids[-1], prompt, params)
+            self.engine.add_request(ids[-1], prompt, params, priority=prio)
 
         finished: dict[str, RequestOutput] = {}
         with tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm) as bar:

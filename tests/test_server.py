@@ -365,3 +365,29 @@ def test_engine_steps_record(server):
     assert later == {"steps": [], "next": first["next"]}  # idle now: nothing new
     bad = httpx.get(url, params={"since": -1})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "since"
+
+
+# -- prefix caching and priority (issue: prefix caching) ----------------------------------------
+def test_repeated_prefix_is_served_from_the_cache(server, client, model):
+    system = "You are a careful assistant for the Conveyor inference server. " * 12
+    before = server.metrics()
+    first = client.completions.create(model=model, prompt=system + "First question?",
+                                      max_tokens=2, **GREEDY)
+    second = client.completions.create(model=model, prompt=system + "Second question?",
+                                       max_tokens=2, temperature=0.0,
+                                       extra_body={"ignore_eos": True, "priority": -1})
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert first.usage.prompt_tokens_details.cached_tokens < cached
+    assert cached >= 0.8 * first.usage.prompt_tokens and cached % 16 == 0
+    after = server.metrics()
+    assert after["conveyor:prefix_cache_hits_total"] - before["conveyor:prefix_cache_hits_total"] \
+        >= cached
+    assert after["conveyor:prefix_cache_queries_total"] > before["conveyor:prefix_cache_queries_total"]
+
+
+def test_reset_prefix_cache(server, client, model):
+    prompt = "Repeat after me: the conveyor never stops moving, " * 8
+    client.completions.create(model=model, prompt=prompt, max_tokens=1, **GREEDY)
+    assert httpx.post(f"{server.base_url}/reset_prefix_cache").status_code == 200
+    out = client.completions.create(model=model, prompt=prompt, max_tokens=1, **GREEDY)
+    assert out.usage.prompt_tokens_details.cached_tokens == 0

@@ -24,11 +24,12 @@ class FakeEngine:
         self.pending: dict[str, list[int]] = {}
         pool = SimpleNamespace(usage=0.0)
         self.scheduler = SimpleNamespace(running=[], waiting=[], num_preemptions_total=0,
-                                         kv=SimpleNamespace(pool=pool))
+                                         kv=SimpleNamespace(pool=pool, prefix_queries=0,
+                                                            prefix_hits=0))
         self.last_batch_size = 0
         self.aborted: list[str] = []
 
-    def add_request(self, request_id, prompt, params, arrival_time=None) -> None:
+    def add_request(self, request_id, prompt, params, arrival_time=None, priority=0) -> None:
         if -1 in prompt["prompt_token_ids"]:
             raise ValueError("prompt token ids must be in [0, 10)")
         self.pending[request_id] = prompt["prompt_token_ids"]

@@ -91,8 +91,8 @@ class LLMEngine:
         self.max_model_len = model_len
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, model_len,
-                            config.policy),
-            KVCacheManager(num_blocks, config.block_size))
+                            config.policy, config.scheduling_policy),
+            KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching))
         self.runner = ModelRunner(loaded.config, loaded.weights, dtype=self.dtype,
                                   device=self.device, num_blocks=num_blocks,
                                   block_size=config.block_size, max_model_len=model_len,
@@ -147,7 +147,7 @@ class LLMEngine:
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams,
-                    arrival_time: float | None = None) -> None:
+                    arrival_time: float | None = None, priority: int = 0) -> None:
         """Validate and queue a request; raises ValueError (and queues nothing) on bad input."""
         if request_id in self._states:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -158,7 +158,9 @@ class LLMEngine:
             sample_params = params if params.n == 1 else dataclasses.replace(
                 params, n=1, seed=None if params.seed is None else params.seed + i)
             sample_id = request_id if params.n == 1 else f"{i}_{request_id}"
-            request = Request(sample_id, ids, sample_params, self.eos_token_ids, arrival)
+            request = Request(sample_id, ids, sample_params, self.eos_token_ids, arrival, priority)
+            if state.samples and self.config.enable_prefix_caching:
+                request.waits_for_prefill_of = state.samples[0].request
             state.samples.append(_Sample(
                 request, IncrementalDetokenizer(self.tokenizer, ids, sample_params.stop_strings),
                 [] if sample_params.logprobs is not None else None))
@@ -177,6 +179,10 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._states)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget all cached pages; refused (False) while requests hold pages."""
+        return self.scheduler.kv.pool.reset_cache()
 
     # -- the step ------------------------------------------------------------------------------
     @property
@@ -253,5 +259,6 @@ class LLMEngine:
             first_token_time=first(m.first_token_time for m in metrics),
             finished_time=max(m.finished_time for m in metrics) if finished else None,
             num_preemptions=sum(m.num_preemptions for m in metrics))
+        cached = [s.request.num_cached_tokens for s in state.samples]
         return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, completions,
-                             finished, merged)
+                             finished, merged, max((c for c in cached if c is not None), default=0))

@@ -32,7 +32,7 @@ class Request:
 
     def __init__(self, request_id: str, prompt_token_ids: list[int],
                  sampling_params: SamplingParams, eos_token_ids: frozenset[int],
-                 arrival_time: float) -> None:
+                 arrival_time: float, priority: int = 0) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
@@ -41,6 +41,13 @@ class Request:
         self.output_token_ids: list[int] = []
         self.num_computed_tokens = 0
         self.block_ids: list[int] = []
+        self.block_hashes: list[bytes] = []   # chained hashes of its full pages, memoised
+        self.num_published_blocks = 0         # pages of block_ids already in the prefix cache
+        self.num_cached_tokens: int | None = None  # prompt tokens found cached at first admission
+        self.priority = priority              # lower runs first under priority scheduling
+        self.queue_seq: int | None = None     # tie-breaker among equal priority and arrival
+        # another sample of the same prompt whose prefill this one waits for, to share its pages
+        self.waits_for_prefill_of: Request | None = None
         self.status = RequestStatus.WAITING
         self.stop_reason: str | int | None = None
         self.metrics = RequestMetrics(arrival_time=arrival_time)

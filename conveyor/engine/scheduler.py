@@ -2,12 +2,16 @@
 
 There is no prefill/decode distinction. Each step hands out a token budget so that every request's
 computed tokens catch up with its known tokens: running requests first (in admission order), then
-waiting ones first-come-first-served while seats, budget and pages last. A request that cannot get
-a page evicts the most recently admitted running request (preemption by recompute).
+waiting ones in queue order while seats, budget and pages last. A waiting request starts from the
+longest cached prefix of its tokens. A request that cannot get a page evicts a running request
+(preemption by recompute): the most recently admitted under FCFS, the lowest priority under
+``priority``.
 """
 
 from __future__ import annotations
 
+import bisect
+import itertools
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -15,6 +19,7 @@ from conveyor.engine.kv_cache_manager import KVCacheManager
 from conveyor.engine.request import Request, RequestStatus
 
 POLICIES = ("continuous", "static")
+SCHEDULING_POLICIES = ("fcfs", "priority")
 
 
 @dataclass(frozen=True)
@@ -23,10 +28,14 @@ class SchedulerConfig:
     max_num_batched_tokens: int
     max_model_len: int
     policy: str = "continuous"
+    scheduling_policy: str = "fcfs"
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, "
+                             f"got {self.scheduling_policy!r}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < self.max_num_seqs:
@@ -57,6 +66,44 @@ class SchedulerOutput:
         return not self.scheduled
 
 
+class WaitingQueue:
+    """FCFS: arrival order, preempted requests back at the front. Priority: ordered by
+    (priority, arrival), lower first, preempted requests back in their place."""
+
+    def __init__(self, by_priority: bool) -> None:
+        self.by_priority = by_priority
+        self._queue: deque[Request] | list[Request] = [] if by_priority else deque()
+        self._seq = itertools.count()
+
+    def order_key(self, r: Request) -> tuple:
+        if r.queue_seq is None:
+            r.queue_seq = next(self._seq)
+        return (r.priority, r.metrics.arrival_time, r.queue_seq)
+
+    def push(self, r: Request, front: bool = False) -> None:
+        if self.by_priority:
+            bisect.insort(self._queue, r, key=self.order_key)
+        elif front:
+            self._queue.appendleft(r)
+        else:
+            self._queue.append(r)
+
+    def peek(self) -> Request:
+        return self._queue[0]
+
+    def pop(self) -> Request:
+        return self._queue.pop(0) if self.by_priority else self._queue.popleft()
+
+    def remove(self, r: Request) -> None:
+        self._queue.remove(r)
+
+    def __iter__(self):
+        return iter(self._queue)
+
+    def __len__(self) -> int:
+        return len(self._queue)
+
+
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
         if config.max_model_len > kv.num_tokens_capacity:
@@ -67,7 +114,7 @@ class Scheduler:
                 f"memory")
         self.config = config
         self.kv = kv
-        self.waiting: deque[Request] = deque()
+        self.waiting = WaitingQueue(config.scheduling_policy == "priority")
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions_total = 0
@@ -79,7 +126,7 @@ class Scheduler:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        self.waiting.push(request)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -114,7 +161,13 @@ class Scheduler:
             request = self.running[i]
             n = min(request.num_tokens - request.num_computed_tokens, budget)
             while not self.kv.allocate_slots(request, n):
-                victim = self.running.pop()
+                victim = self._pick_victim()
+                j = self.running.index(victim)
+                self.running.pop(j)
+                if j < i:  # already planned this step: give its budget back
+                    k = next(k for k, (r, _) in enumerate(out.scheduled) if r is victim)
+                    budget += out.scheduled.pop(k)[1]
+                    i -= 1
                 self._preempt(victim)
                 out.preempted.append(victim)
                 if victim is request:
@@ -129,13 +182,23 @@ class Scheduler:
                                   zip(self.waiting, range(self.config.max_num_seqs))}
         while (not out.preempted and self.waiting and budget > 0
                and len(self.running) < self.config.max_num_seqs):
-            request = self.waiting[0]
+            request = self.waiting.peek()
             if self.config.policy == "static" and request.request_id not in self._static_batch:
                 break
-            n = min(request.num_tokens - request.num_computed_tokens, budget)
-            if not self.kv.allocate_slots(request, n):
+            if request.waits_for_prefill_of is not None:
+                sibling = request.waits_for_prefill_of
+                if not sibling.is_finished and sibling.num_computed_tokens < sibling.num_prompt_tokens:
+                    break  # its prompt pages are about to be cached: reuse, don't recompute
+                request.waits_for_prefill_of = None
+            cached = self.kv.find_cached_prefix(request)
+            hit = len(cached) * self.kv.block_size
+            n = min(request.num_tokens - hit, budget)
+            if not self.kv.allocate_slots(request, n, cached):
                 break
-            self.waiting.popleft()
+            self.waiting.pop()
+            request.num_computed_tokens = hit
+            if request.num_cached_tokens is None:
+                request.num_cached_tokens = hit
             self.running.append(request)
             request.status = RequestStatus.RUNNING
             if request.metrics.first_scheduled_time is None:
@@ -146,13 +209,18 @@ class Scheduler:
                                     if n == 1 and r.num_computed_tokens >= r.num_prompt_tokens)
         return out
 
+    def _pick_victim(self) -> Request:
+        if self.config.scheduling_policy == "priority":
+            return max(self.running, key=self.waiting.order_key)
+        return self.running[-1]
+
     def _preempt(self, request: Request) -> None:
         self.kv.free(request)
         request.num_computed_tokens = 0
         request.status = RequestStatus.PREEMPTED
         request.metrics.num_preemptions += 1
         self.num_preemptions_total += 1
-        self.waiting.appendleft(request)
+        self.waiting.push(request, front=True)
 
     def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int],
                            now: float) -> list[Request]:
@@ -164,6 +232,7 @@ class Scheduler:
             if request.is_finished:
                 continue
             request.num_computed_tokens += n
+            self.kv.cache_full_blocks(request)
             token = sampled.get(request.request_id)
             if token is None:
                 continue

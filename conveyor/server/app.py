@@ -13,7 +13,8 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from conveyor import __version__
 from conveyor.server.chat import create_chat_completion
 from conveyor.server.completions import create_completion
-from conveyor.server.errors import install_error_handlers
+from conveyor.engine.engine import LLMEngine
+from conveyor.server.errors import APIError, install_error_handlers
 from conveyor.server.protocol import (ChatCompletionRequest, ChatCompletionResponse,
                                       CompletionRequest, CompletionResponse, EngineSteps,
                                       ErrorResponse, ModelCard, ModelList, VersionInfo)
@@ -67,6 +68,14 @@ def build_app(state: ServerState, ready_message: str = "") -> FastAPI:
         known = state.engine.num_steps
         records = state.engine.steps_since(since)
         return EngineSteps(steps=records, next=records[-1].step + 1 if records else known)
+
+    @app.post("/reset_prefix_cache", summary="forget every cached KV page (vLLM's endpoint)",
+              responses={409: {"model": ErrorResponse, "description": "requests are running"}})
+    async def reset_prefix_cache() -> Response:
+        if not await state.engine_thread.call(LLMEngine.reset_prefix_cache):
+            raise APIError(409, "the prefix cache can only be reset while no request runs",
+                           None, "requests_running")
+        return Response(status_code=200)
 
     @app.post("/v1/completions", response_model=CompletionResponse,
               responses=_GENERATE_RESPONSES)

@@ -52,7 +52,7 @@ async def create_chat_completion(body: ChatCompletionRequest, raw: Request,
     top = (body.top_logprobs or 0) if body.logprobs else None
     params = state.sampling_params(body, max_tokens, top)
     _, ids = state.check_prompt({"prompt_token_ids": ids}, params, "messages", limit_param)
-    request_id, submission = state.submit("chatcmpl", [ids], params)
+    request_id, submission = state.submit("chatcmpl", [ids], params, body.priority)
     created = int(time.time())
     if body.stream:
         return StreamingResponse(_stream(state, body, request_id, created, submission,
@@ -66,11 +66,7 @@ async def create_chat_completion(body: ChatCompletionRequest, raw: Request,
                           logprobs=_logprobs(s, slice(None), top) if top is not None else None,
                           finish_reason=s.finish_reason) for s in out.outputs]
     return ChatCompletionResponse(id=request_id, created=created, model=state.model_name,
-                                  choices=choices, usage=_usage(out))
-
-
-def _usage(out: RequestOutput) -> UsageInfo:
-    return UsageInfo.of(len(out.prompt_token_ids), sum(len(s.token_ids) for s in out.outputs))
+                                  choices=choices, usage=UsageInfo.of([out]))
 
 
 async def _stream(state: ServerState, body: ChatCompletionRequest, request_id: str, created: int,
@@ -101,7 +97,7 @@ async def _stream(state: ServerState, body: ChatCompletionRequest, request_id: s
                     logprobs=_logprobs(sample, tokens, top) if top is not None else None,
                     finish_reason=sample.finish_reason)])
         if body.include_usage and latest is not None:
-            yield chunk([], _usage(latest))
+            yield chunk([], UsageInfo.of([latest]))
     except Exception as e:  # reported in the stream: the 200 status is already sent
         yield sse({"error": engine_failure(e).info.model_dump()})
     finally:

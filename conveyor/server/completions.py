@@ -50,7 +50,8 @@ async def create_completion(body: CompletionRequest, raw: Request,
     checked = [state.check_prompt(p, params, "prompt") for p in _prompts(body.prompt)]
     echoes = [(text if text is not None else state.engine.tokenizer.decode(ids))
               if body.echo else "" for text, ids in checked]
-    request_id, submission = state.submit("cmpl", [ids for _, ids in checked], params)
+    request_id, submission = state.submit("cmpl", [ids for _, ids in checked], params,
+                                           body.priority)
     created = int(time.time())
     if body.stream:
         return StreamingResponse(
@@ -69,12 +70,7 @@ async def create_completion(body: CompletionRequest, raw: Request,
                                             text=echoes[i] + sample.text, logprobs=logprobs,
                                             finish_reason=sample.finish_reason))
     return CompletionResponse(id=request_id, created=created, model=state.model_name,
-                              choices=choices, usage=_usage(finals))
-
-
-def _usage(outputs: list[RequestOutput]) -> UsageInfo:
-    return UsageInfo.of(sum(len(o.prompt_token_ids) for o in outputs),
-                        sum(len(s.token_ids) for o in outputs for s in o.outputs))
+                              choices=choices, usage=UsageInfo.of(finals))
 
 
 async def _stream(state: ServerState, body: CompletionRequest, request_id: str, created: int,
@@ -106,7 +102,7 @@ async def _stream(state: ServerState, body: CompletionRequest, request_id: str, 
                                               logprobs=logprobs,
                                               finish_reason=sample.finish_reason)])
         if body.include_usage:
-            yield chunk([], _usage([latest[i] for i in sorted(latest)]))
+            yield chunk([], UsageInfo.of([latest[i] for i in sorted(latest)]))
     except Exception as e:  # reported in the stream: the 200 status is already sent
         yield sse({"error": engine_failure(e).info.model_dump()})
     finally:

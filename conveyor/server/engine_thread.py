@@ -9,12 +9,14 @@ and the engine never waits on HTTP.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import Any
 
 from conveyor.engine.engine import LLMEngine
 from conveyor.outputs import RequestOutput
@@ -29,6 +31,7 @@ class EngineRequest:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
+    priority: int = 0
 
 
 @dataclass
@@ -42,6 +45,14 @@ class _Add:
 @dataclass
 class _Abort:
     request_id: str
+
+
+@dataclass
+class _Call:
+    """Run ``fn(engine)`` on the engine thread, which alone may touch the engine."""
+
+    fn: Callable[[LLMEngine], Any]
+    future: concurrent.futures.Future
 
 
 @dataclass
@@ -132,6 +143,12 @@ class EngineThread:
             self._inbox.put(_Add(r, loop, submission.outbox, now))
         return submission
 
+    async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
+        """``fn(engine)``, run between two steps on the engine thread."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._inbox.put(_Call(fn, future))
+        return await asyncio.wrap_future(future)
+
     # -- engine thread -------------------------------------------------------------------------
     def _run(self) -> None:
         while True:
@@ -153,6 +170,8 @@ class EngineThread:
                     return False
                 if isinstance(item, _Add):
                     self._add(item)
+                elif isinstance(item, _Call):
+                    item.future.set_result(item.fn(self.engine))
                 else:
                     self._abort(item.request_id)
                 item = self._inbox.get_nowait()
@@ -164,7 +183,8 @@ class EngineThread:
         live = _Live(cmd.loop, cmd.outbox, len(r.prompt_token_ids))
         try:
             self.engine.add_request(r.request_id, {"prompt_token_ids": r.prompt_token_ids},
-                                    r.params, arrival_time=cmd.arrival_time)
+                                    r.params, arrival_time=cmd.arrival_time,
+                                    priority=r.priority)
         except Exception as e:  # a bad request fails alone; the engine carries on
             logger.warning("rejected %s: %s", r.request_id, e)
             live.deliver(e if isinstance(e, ValueError) else RuntimeError(str(e)))
@@ -220,9 +240,9 @@ def _log_finished(out: RequestOutput, live: _Live) -> None:
     def span(a: float | None, b: float | None) -> float:
         return (b - a) if a is not None and b is not None else 0.0
 
-    logger.info("finished %s: %d prompt + %d output tokens, queue %.3f s, prefill %.3f s, "
-                "decode %.3f s, %d preemptions, finish %s", out.request_id,
-                live.num_prompt_tokens, live.num_output_tokens,
+    logger.info("finished %s: %d prompt (%d cached) + %d output tokens, queue %.3f s, "
+                "prefill %.3f s, decode %.3f s, %d preemptions, finish %s", out.request_id,
+                live.num_prompt_tokens, out.num_cached_tokens, live.num_output_tokens,
                 span(m.arrival_time, m.first_scheduled_time),
                 span(m.first_scheduled_time, m.first_token_time),
                 span(m.first_token_time, m.finished_time), m.num_preemptions,

@@ -30,7 +30,8 @@ def _ready_message(state: ServerState, args: argparse.Namespace) -> str:
             f"({engine.model_path}), dtype {str(engine.dtype).removeprefix('torch.')}, "
             f"{kv.pool.num_blocks} KV pages x {kv.block_size} tokens = "
             f"{kv.num_tokens_capacity} tokens ({engine.kv_cache_bytes / 2**20:.0f} MiB), "
-            f"policy {cfg.policy}, max_num_seqs {cfg.max_num_seqs}, "
+            f"policy {cfg.policy}, scheduling {cfg.scheduling_policy}, prefix caching "
+            f"{'on' if cfg.enable_prefix_caching else 'off'}, max_num_seqs {cfg.max_num_seqs}, "
             f"max_num_batched_tokens {cfg.max_num_batched_tokens}, "
             f"max_model_len {engine.max_model_len}, max_queue_len {args.max_queue_len}")
 

@@ -41,6 +41,10 @@ class ServerMetrics:
         self.preemptions = counter("num_preemptions", "Preemptions (by recompute) so far.")
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of accepted requests.")
         self.generation_tokens = counter("generation_tokens", "Tokens generated.")
+        self.prefix_queries = counter("prefix_cache_queries",
+                                      "Prompt tokens looked up in the prefix cache.")
+        self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
+        self._prefix_seen = (0, 0)
         self._success = Counter("conveyor:request_success", "Finished sequences by finish reason.",
                                 ["model_name", "finished_reason"], registry=self.registry)
         self.ttft = histogram("time_to_first_token_seconds", "Arrival to first token.")
@@ -59,6 +63,10 @@ class ServerMetrics:
         self.waiting.set(len(sched.waiting))
         self.kv_usage.set(sched.kv.pool.usage)
         self.batch_size.set(engine.last_batch_size)
+        queries, hits = sched.kv.prefix_queries, sched.kv.prefix_hits
+        self.prefix_queries.inc(queries - self._prefix_seen[0])
+        self.prefix_hits.inc(hits - self._prefix_seen[1])
+        self._prefix_seen = (queries, hits)
         new_preemptions = sched.num_preemptions_total - self._preemptions_seen
         if new_preemptions:
             self.preemptions.inc(new_preemptions)

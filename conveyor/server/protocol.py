@@ -12,6 +12,7 @@ from typing import Literal
 from pydantic import BaseModel, Field
 
 from conveyor.engine.engine import StepRecord
+from conveyor.outputs import RequestOutput
 from conveyor.sampling_params import SamplingParams
 
 
@@ -40,6 +41,7 @@ class SamplingFields(BaseModel):
     min_tokens: int = Field(0, ge=0)
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
+    priority: int = Field(0, description="lower runs first under --scheduling-policy priority")
 
     @property
     def include_usage(self) -> bool:
@@ -55,15 +57,24 @@ class SamplingFields(BaseModel):
             repetition_penalty=self.repetition_penalty)
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = Field(0, description="prompt tokens served from the prefix cache")
+
+
 class UsageInfo(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
 
     @classmethod
-    def of(cls, prompt_tokens: int, completion_tokens: int) -> UsageInfo:
-        return cls(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                   total_tokens=prompt_tokens + completion_tokens)
+    def of(cls, outputs: list[RequestOutput]) -> UsageInfo:
+        prompt = sum(len(o.prompt_token_ids) for o in outputs)
+        completion = sum(len(s.token_ids) for o in outputs for s in o.outputs)
+        cached = sum(o.num_cached_tokens for o in outputs)
+        return cls(prompt_tokens=prompt, completion_tokens=completion,
+                   total_tokens=prompt + completion,
+                   prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
 
 
 # -- /v1/completions ---------------------------------------------------------------------------

@@ -53,14 +53,14 @@ class ServerState:
         except ValueError as e:
             raise bad_request(str(e), limit_param if "max_model_len" in str(e) else param) from e
 
-    def submit(self, prefix: str, prompts: list[list[int]], params: SamplingParams
-               ) -> tuple[str, Submission]:
+    def submit(self, prefix: str, prompts: list[list[int]], params: SamplingParams,
+               priority: int = 0) -> tuple[str, Submission]:
         request_id = f"{prefix}-{uuid.uuid4().hex}"
         ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}"
                                                        for i in range(len(prompts))]
         try:
             return request_id, self.engine_thread.submit(
-                [EngineRequest(i, p, params) for i, p in zip(ids, prompts)])
+                [EngineRequest(i, p, params, priority) for i, p in zip(ids, prompts)])
         except QueueFull as e:
             raise APIError(503, f"the server is overloaded: {e}; retry later", None,
                            "queue_full", {"Retry-After": str(RETRY_AFTER_S)}) from e
