@@ -1,8 +1,9 @@
 """Attention over the paged KV cache, for a flat batch of tokens from many requests.
 
-The runner lays a step's tokens out as all single-token queries first (decodes, batched into one
-SDPA call over gathered pages) and then one run per multi-token chunk (prefills, one SDPA call
-each: there are few per step, bounded by the token budget).
+The runner lays a step's tokens out as all single-token queries first (decodes, batched into a
+few SDPA calls over gathered pages, one per group of similar context lengths so that short
+contexts are not padded to the longest) and then one run per multi-token chunk (prefills, one
+SDPA call each: there are few per step, bounded by the token budget).
 """
 
 from __future__ import annotations
@@ -24,11 +25,17 @@ class PrefillChunk:
 
 
 @dataclass
+class DecodeGroup:
+    start: int                    # first single-token query of the group in the flat batch
+    end: int
+    block_tables: torch.Tensor    # [end - start, W] pages of each query's context (padded)
+    mask: torch.Tensor            # [end - start, 1, 1, W * block_size] True where a slot is real
+
+
+@dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor    # [T] where each token's K/V is written
-    num_decodes: int              # tokens [0, num_decodes) are single-token queries
-    decode_block_tables: torch.Tensor  # [num_decodes, W] pages of each decode (padded)
-    decode_mask: torch.Tensor     # [num_decodes, 1, 1, W * block_size] True where a slot is real
+    decodes: list[DecodeGroup]
     prefills: list[PrefillChunk]
 
 
@@ -42,16 +49,16 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     k_cache.view(-1, kv_heads, dim).index_copy_(0, meta.slot_mapping, k)
     v_cache.view(-1, kv_heads, dim).index_copy_(0, meta.slot_mapping, v)
     out = torch.empty_like(q)
-    nd = meta.num_decodes
-    if nd:
+    groups = q.shape[1] // kv_heads
+    for g in meta.decodes:
         # Whole pages are gathered (block-sized copies), and the query heads that share a KV head
         # are laid out as that head's "query positions", so GQA needs no repeated K/V.
-        groups = q.shape[1] // kv_heads
-        qd = q[:nd].view(nd, kv_heads, groups, dim)
-        kd = gather_pages(k_cache, meta.decode_block_tables).transpose(1, 2)  # [B, KVH, L, D]
-        vd = gather_pages(v_cache, meta.decode_block_tables).transpose(1, 2)
-        o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask)
-        out[:nd] = o.reshape(nd, -1, dim)
+        n = g.end - g.start
+        qd = q[g.start:g.end].view(n, kv_heads, groups, dim)
+        kd = gather_pages(k_cache, g.block_tables).transpose(1, 2)  # [n, KVH, L, D]
+        vd = gather_pages(v_cache, g.block_tables).transpose(1, 2)
+        o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=g.mask)
+        out[g.start:g.end] = o.reshape(n, -1, dim)
     for chunk in meta.prefills:
         qp = q[chunk.start:chunk.end].transpose(0, 1).unsqueeze(0)   # [1, H, n, D]
         if chunk.block_ids is None:

@@ -7,10 +7,30 @@ import torch
 
 from conveyor.engine.request import Request
 from conveyor.engine.scheduler import SchedulerOutput
-from conveyor.model.attention import AttentionMetadata, PrefillChunk
+from conveyor.model.attention import AttentionMetadata, DecodeGroup, PrefillChunk
 from conveyor.model.config import ModelConfig
 from conveyor.model.model import Transformer, rope_tables
 from conveyor.model.sampler import SampleResult, Sampler
+
+
+# A decode group is cut where a context needs this many times the pages of the group's shortest
+# (so padding at most doubles a group's attention work), once the group has MIN_DECODE_GROUP.
+DECODE_GROUP_GROWTH = 2.0
+MIN_DECODE_GROUP = 4
+
+
+def group_decodes(decodes: list[Request]) -> list[list[Request]]:
+    """Single-token queries sorted by context pages, in runs of similar length."""
+    groups: list[list[Request]] = []
+    for r in sorted(decodes, key=lambda r: len(r.block_ids)):
+        if groups:
+            group = groups[-1]
+            if (len(group) < MIN_DECODE_GROUP
+                    or len(r.block_ids) <= DECODE_GROUP_GROWTH * len(group[0].block_ids)):
+                group.append(r)
+                continue
+        groups.append([r])
+    return groups
 
 
 def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -47,7 +67,8 @@ class ModelRunner:
     def _prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor,
                                                        AttentionMetadata, list[int], list[Request]]:
         """Flat token ids, positions and attention metadata: decodes first, then chunks."""
-        decodes = [(r, n) for r, n in out.scheduled if n == 1]
+        decode_groups = group_decodes([r for r, n in out.scheduled if n == 1])
+        decodes = [(r, 1) for group in decode_groups for r in group]
         chunks = [(r, n) for r, n in out.scheduled if n > 1]
         ids: list[int] = []
         positions: list[int] = []
@@ -59,18 +80,17 @@ class ModelRunner:
             slots += self._slots(r, start, start + n)
 
         bs = self.block_size
-        if decodes:
-            width = max(len(r.block_ids) for r, _ in decodes)
-            tables = self._tensor([r.block_ids + [0] * (width - len(r.block_ids))
-                                   for r, _ in decodes])
-            lens = self._tensor([r.num_computed_tokens + 1 for r, _ in decodes])
-            decode_mask = (torch.arange(width * bs, device=self.device).unsqueeze(0)
-                           < lens.unsqueeze(1))[:, None, None, :]
-        else:
-            tables = decode_mask = torch.empty(0, device=self.device)
+        groups, offset = [], 0
+        for group in decode_groups:
+            width = max(len(r.block_ids) for r in group)
+            tables = self._tensor([r.block_ids + [0] * (width - len(r.block_ids)) for r in group])
+            lens = self._tensor([r.num_computed_tokens + 1 for r in group])
+            mask = (torch.arange(width * bs, device=self.device).unsqueeze(0)
+                    < lens.unsqueeze(1))[:, None, None, :]
+            groups.append(DecodeGroup(offset, offset + len(group), tables, mask))
+            offset += len(group)
 
         prefills = []
-        offset = len(decodes)
         for r, n in chunks:
             ctx = r.num_computed_tokens
             if ctx == 0:
@@ -89,8 +109,7 @@ class ModelRunner:
             if r.num_computed_tokens + n == r.num_tokens:
                 logits_rows.append(end - 1)
                 sampling.append(r)
-        meta = AttentionMetadata(self._tensor(slots), len(decodes), tables, decode_mask,
-                                 prefills)
+        meta = AttentionMetadata(self._tensor(slots), groups, prefills)
         return self._tensor(ids), self._tensor(positions), meta, logits_rows, sampling
 
     @torch.inference_mode()
