@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from collections import Counter
 
 import pytest
 from hypothesis import given, settings
@@ -58,6 +59,7 @@ def workloads(draw):
     max_num_seqs = draw(st.integers(1, 12))
     budget = draw(st.integers(max_num_seqs, max_num_seqs + 64))
     policy = draw(st.sampled_from(["continuous", "static"]))
+    caching = draw(st.booleans())
     requests = []
     for _ in range(draw(st.integers(1, 24))):
         prompt = draw(st.integers(1, max_model_len - 1))
@@ -67,7 +69,8 @@ def workloads(draw):
         requests.append((prompt, max_tokens, stop_after, arrival))
     abort = draw(st.lists(st.tuples(st.integers(0, len(requests) - 1), st.integers(0, 60)),
                           max_size=3))
-    return block_size, num_blocks, max_model_len, max_num_seqs, budget, policy, requests, abort
+    return (block_size, num_blocks, max_model_len, max_num_seqs, budget, policy, caching, requests,
+            abort)
 
 
 def check_invariants(sched: Scheduler, out, num_blocks: int, block_size: int) -> None:
@@ -82,17 +85,20 @@ def check_invariants(sched: Scheduler, out, num_blocks: int, block_size: int) ->
         assert len(r.block_ids) >= cdiv(r.num_computed_tokens + n, block_size)
     for r in sched.waiting:
         assert r.block_ids == [] and r.num_computed_tokens == 0
-    owned = [b for r in sched.running for b in r.block_ids] + \
-            [b for r in sched.waiting for b in r.block_ids]
-    assert len(owned) == len(set(owned)), "a page is owned twice"
-    assert sched.kv.pool.num_free_blocks + len(owned) == num_blocks
+    holders = Counter(b for r in sched.running for b in r.block_ids)
+    for b, count in holders.items():  # shared only through the prefix cache, and counted
+        assert sched.kv.pool.ref_count(b) == count
+    if not sched.kv.pool.enable_caching:
+        assert all(count == 1 for count in holders.values()), "a page is owned twice"
+    assert sched.kv.pool.num_free_blocks + len(holders) == num_blocks
 
 
 @settings(max_examples=150, deadline=None)
 @given(workloads())
 def test_scheduler_invariants_fcfs_and_no_leaks(workload):
-    block_size, num_blocks, max_model_len, max_num_seqs, budget, policy, specs, aborts = workload
-    kv = KVCacheManager(num_blocks, block_size)
+    (block_size, num_blocks, max_model_len, max_num_seqs, budget, policy, caching, specs,
+     aborts) = workload
+    kv = KVCacheManager(num_blocks, block_size, enable_caching=caching)
     sched = Scheduler(SchedulerConfig(max_num_seqs, budget, max_model_len, policy), kv)
     rng = random.Random(0)
     reqs = [Request(str(i), [rng.randrange(1, 100) for _ in range(p)],
