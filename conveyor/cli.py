@@ -7,7 +7,7 @@ import dataclasses
 import sys
 import time
 
-from conveyor.bench.cli import add_bench_parser, run_bench
+from conveyor.bench.cli import add_bench_parser
 from conveyor.config import EngineConfig
 
 
@@ -69,6 +69,12 @@ def _generate(args: argparse.Namespace) -> None:
           f"({total / elapsed:.1f} tok/s)")
 
 
+def _serve(args: argparse.Namespace) -> None:
+    from conveyor.server.launch import serve  # uvicorn and FastAPI load only when serving
+
+    serve(args)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="conveyor")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -82,6 +88,7 @@ def main(argv: list[str] | None = None) -> None:
     gen.add_argument("--top-k", type=int, default=0)
     gen.add_argument("--sample-seed", type=int, default=None)
     gen.add_argument("--ignore-eos", action="store_true")
+    gen.set_defaults(handler=_generate)
     srv = sub.add_parser("serve", help="serve the OpenAI API over HTTP")
     add_engine_args(srv)
     srv.add_argument("--host", default="127.0.0.1")
@@ -90,16 +97,11 @@ def main(argv: list[str] | None = None) -> None:
                      help="model name(s) the API answers to (default: the model's own)")
     srv.add_argument("--max-queue-len", type=int, default=None,
                      help="answer 503 when this many requests wait (default: no limit)")
+    srv.set_defaults(handler=_serve)
     add_bench_parser(sub)
     args = parser.parse_args(argv)
     try:
-        if args.command == "generate":
-            _generate(args)
-        elif args.command == "serve":
-            from conveyor.server.launch import serve
-            serve(args)
-        else:
-            run_bench(args)
+        args.handler(args)
     except (ValueError, FileNotFoundError, RuntimeError) as e:
         print(f"conveyor: error: {e}", file=sys.stderr)
         sys.exit(2)

@@ -158,7 +158,7 @@ def benchmark(args: argparse.Namespace, workload: list[BenchRequest] | None = No
         "ttfts": [r.ttft for r in results], "e2els": [r.latency for r in results],
         "itls": [r.itl for r in results], "errors": [r.error for r in results],
     }
-    if getattr(args, "save_result", False):
+    if args.save_result:
         os.makedirs(args.result_dir, exist_ok=True)
         name = args.result_filename or f"bench-{result['date']}.json"
         path = os.path.join(args.result_dir, name)

@@ -99,7 +99,7 @@ class LLMEngine:
                                   seed=config.seed)
         self.kv_cache_bytes = num_blocks * per_block
         self._states: dict[str, _RequestState] = {}
-        self._sample_owner: dict[str, _RequestState] = {}
+        self._live_samples: dict[str, tuple[_RequestState, _Sample]] = {}  # by sample id
         self.steps: deque[StepRecord] = deque(maxlen=STEP_HISTORY)
         self.num_steps = 0
 
@@ -167,7 +167,7 @@ class LLMEngine:
         self._states[request_id] = state
         for sample in state.samples:
             self.scheduler.add_request(sample.request)
-            self._sample_owner[sample.request.request_id] = state
+            self._live_samples[sample.request.request_id] = (state, sample)
 
     def abort_request(self, request_id: str) -> None:
         state = self._states.pop(request_id, None)
@@ -175,7 +175,7 @@ class LLMEngine:
             return
         for sample in state.samples:
             self.scheduler.abort_request(sample.request.request_id)
-            self._sample_owner.pop(sample.request.request_id, None)
+            self._live_samples.pop(sample.request.request_id, None)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._states)
@@ -207,8 +207,7 @@ class LLMEngine:
 
         touched: dict[str, _RequestState] = {}
         for request in advanced:
-            state = self._sample_owner[request.request_id]
-            sample = next(s for s in state.samples if s.request is request)
+            state, sample = self._live_samples[request.request_id]
             result = results[request.request_id]
             if sample.logprobs is not None:
                 sample.logprobs.append({tid: Logprob(lp, rank, self.tokenizer.decode([tid]))
@@ -224,7 +223,7 @@ class LLMEngine:
                     self.scheduler.finish_request(request, RequestStatus.FINISHED_STOPPED)
             if request.is_finished:
                 request.metrics.finished_time = now
-                self._sample_owner.pop(request.request_id)
+                self._live_samples.pop(request.request_id)
             touched[state.request_id] = state
 
         outputs = []
