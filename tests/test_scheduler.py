@@ -13,6 +13,7 @@ from conveyor.engine.block_pool import BlockPool
 from conveyor.engine.kv_cache_manager import KVCacheManager, cdiv
 from conveyor.engine.request import Request, RequestStatus
 from conveyor.engine.scheduler import Scheduler, SchedulerConfig
+from conveyor.engine.timeline import DECODE, BatchTimeline
 from conveyor.sampling_params import SamplingParams
 
 EOS = 0
@@ -91,6 +92,23 @@ def check_invariants(sched: Scheduler, out, num_blocks: int, block_size: int) ->
     if not sched.kv.pool.enable_caching:
         assert all(count == 1 for count in holders.values()), "a page is owned twice"
     assert sched.kv.pool.num_free_blocks + len(holders) == num_blocks
+    pool = sched.kv.pool
+    assert pool.num_cached_free_blocks == sum(1 for b in pool._cached.values()
+                                              if pool.ref_count(b) == 0)
+
+
+def check_seating(timeline: BatchTimeline, out, seat_of: dict[str, int]) -> None:
+    """Seats are unique within a step, within max_num_seqs, and kept while a sample runs."""
+    for r in out.preempted:  # a preempted sample may sit anywhere when it comes back
+        seat_of.pop(r.request_id, None)
+    rows = timeline.steps[-1].rows()
+    slots = [slot for _, slot, _, _ in rows]
+    assert len(slots) == len(set(slots)) and all(0 <= s < timeline.num_slots for s in slots)
+    for (r, n), (_, slot, tokens, phase) in zip(out.scheduled, rows, strict=True):
+        assert tokens == n
+        assert seat_of.setdefault(r.request_id, slot) == slot, "a running sample changed seats"
+        assert (phase == DECODE) == (n == 1 and r.num_output_tokens > 0
+                                     and r.num_computed_tokens == r.num_tokens - 1)
 
 
 @settings(max_examples=150, deadline=None)
@@ -107,20 +125,26 @@ def test_scheduler_invariants_fcfs_and_no_leaks(workload):
     stop_after = {str(i): s for i, (_, _, s, _) in enumerate(specs)}
     admitted: list[int] = []
     static_batch: set[str] = set()
+    timeline = BatchTimeline(max_num_seqs)
+    seat_of: dict[str, int] = {}
     bound = sum(p + m for p, m, _, _ in specs) * (len(specs) + 1) + 100
 
     for step in range(bound):
         for r in reqs:
             if r.metrics.arrival_time == step:
                 sched.add_request(r)
+                timeline.arrive(r)
         for idx, at in aborts:
             if at == step and reqs[idx].request_id in sched.requests:
                 sched.abort_request(reqs[idx].request_id)
+                timeline.leave(reqs[idx], step)
         if not sched.has_unfinished() and step > 30:
             break
         running_before = bool(sched.running)
         out = sched.schedule(now=step)
         check_invariants(sched, out, num_blocks, block_size)
+        timeline.record_step(step, step, step + 1, out.scheduled, out.preempted)
+        check_seating(timeline, out, seat_of)
         for r, _ in out.scheduled:
             if r.metrics.first_scheduled_time == step and int(r.request_id) not in admitted:
                 admitted.append(int(r.request_id))
@@ -134,7 +158,9 @@ def test_scheduler_invariants_fcfs_and_no_leaks(workload):
             if r.num_computed_tokens + n == r.num_tokens:
                 done = r.num_output_tokens + 1 >= stop_after[r.request_id]
                 sampled[r.request_id] = EOS if done else 7
-        sched.update_from_output(out, sampled, now=step)
+        for r in sched.update_from_output(out, sampled, now=step):
+            if r.is_finished:
+                timeline.leave(r, step + 1)
     else:
         pytest.fail("requests starved: the workload did not finish")
 
@@ -142,6 +168,9 @@ def test_scheduler_invariants_fcfs_and_no_leaks(workload):
     assert admitted == arrival_order, "admission was not first-come-first-served"
     assert kv.pool.num_free_blocks == num_blocks, "KV pages leaked"
     assert all(kv.pool.ref_count(b) == 0 for b in range(num_blocks))
+    assert sorted(timeline._free_slots) == list(range(max_num_seqs)), "a seat was not freed"
+    kinds = Counter(e.kind for e in timeline.events)
+    assert kinds["arrive"] == len(reqs) == sum(kinds[k] for k in ("stop", "length", "abort"))
     for r in reqs:
         assert r.is_finished
         if r.status != RequestStatus.FINISHED_ABORTED:

@@ -367,6 +367,33 @@ def test_engine_steps_record(server):
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "since"
 
 
+def test_dashboard_feed_follows_one_request(server, client, model):
+    url = f"{server.base_url}/v1/engine/dashboard"
+    start = httpx.get(url).json()
+    assert start["settings"]["max_num_seqs"] == 64 and start["settings"]["block_size"] == 16
+    assert start["metrics"]["generation_tokens_total"] == server.metrics()[
+        "conveyor:generation_tokens_total"]
+    out = client.completions.create(model=model, prompt="Count: one two three", max_tokens=5,
+                                    **GREEDY)
+    feed = httpx.get(url, params={"since_step": start["next_step"],
+                                  "since_event": start["next_event"]}).json()
+    kinds = [e[1] for e in feed["events"]]
+    assert kinds == ["arrive", "length"]
+    arrive, finish = feed["events"]
+    assert arrive[4] == out.usage.prompt_tokens and finish[4] == 5 and arrive[2] == finish[2]
+    rows = [s[3] for s in feed["seating"]]
+    assert [len(r) for r in rows] == [4] * 5  # alone: one sample, 4 numbers, 5 steps
+    assert [r[3] for r in rows] == [0, 1, 1, 1, 1]  # prefill, then four decodes
+    assert rows[0][2] == out.usage.prompt_tokens and len({r[1] for r in rows}) == 1
+    assert feed["next_step"] == start["next_step"] + 5
+    idle = httpx.get(url, params={"since_step": feed["next_step"],
+                                  "since_event": feed["next_event"]}).json()
+    assert idle["steps"] == idle["seating"] == idle["events"] == []
+    page = httpx.get(f"{server.base_url}/dashboard")
+    assert page.status_code == 200 and "uPlot.iife.min.js" in page.text
+    assert httpx.get(f"{server.base_url}/dashboard/static/uPlot.iife.min.js").status_code == 200
+
+
 # -- prefix caching and priority (issue: prefix caching) ----------------------------------------
 def test_repeated_prefix_is_served_from_the_cache(server, client, model):
     system = "You are a careful assistant for the Conveyor inference server. " * 12

@@ -35,6 +35,7 @@ class BlockPool:
         self._ref_counts = [0] * num_blocks
         self._hash_of: list[BlockHash | None] = [None] * num_blocks
         self._cached: dict[BlockHash, int] = {}
+        self._num_cached_free = 0  # free pages whose contents a prefix hit could still reuse
 
     @property
     def num_free_blocks(self) -> int:
@@ -49,6 +50,10 @@ class BlockPool:
         return len(self._cached)
 
     @property
+    def num_cached_free_blocks(self) -> int:
+        return self._num_cached_free
+
+    @property
     def usage(self) -> float:
         """Fraction of pages held by requests, 0..1 (vLLM's ``kv_cache_usage_perc``)."""
         return self.num_used_blocks / self.num_blocks
@@ -60,6 +65,8 @@ class BlockPool:
         blocks = []
         for _ in range(n):
             b, _ = self._free.popitem(last=False)
+            if self._hash_of[b] is not None:
+                self._num_cached_free -= 1
             self._evict(b)
             self._ref_counts[b] = 1
             blocks.append(b)
@@ -73,6 +80,8 @@ class BlockPool:
             self._ref_counts[b] -= 1
             if self._ref_counts[b] == 0:
                 self._free[b] = None
+                if self._hash_of[b] is not None:
+                    self._num_cached_free += 1
 
     def ref_count(self, block_id: int) -> int:
         return self._ref_counts[block_id]
@@ -86,6 +95,7 @@ class BlockPool:
         for b in block_ids:
             if self._ref_counts[b] == 0:
                 del self._free[b]
+                self._num_cached_free -= 1  # only cached pages are ever touched
             self._ref_counts[b] += 1
 
     def cache(self, block_id: int, block_hash: BlockHash) -> None:
@@ -108,4 +118,5 @@ class BlockPool:
             return False
         self._cached.clear()
         self._hash_of = [None] * self.num_blocks
+        self._num_cached_free = 0
         return True

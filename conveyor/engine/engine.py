@@ -19,6 +19,7 @@ from conveyor.engine.detokenizer import IncrementalDetokenizer
 from conveyor.engine.kv_cache_manager import KVCacheManager
 from conveyor.engine.request import Request, RequestStatus
 from conveyor.engine.scheduler import Scheduler, SchedulerConfig
+from conveyor.engine.timeline import BatchTimeline
 from conveyor.model.loader import load_model
 from conveyor.model.runner import ModelRunner, kv_bytes_per_block
 from conveyor.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
@@ -45,6 +46,7 @@ class StepRecord:
     num_prefill_tokens: int
     num_decode_tokens: int
     kv_pages_used: int
+    kv_pages_cached: int     # free pages still holding a reusable prefix
     num_preemptions: int     # in this step
 
 
@@ -102,6 +104,7 @@ class LLMEngine:
         self._live_samples: dict[str, tuple[_RequestState, _Sample]] = {}  # by sample id
         self.steps: deque[StepRecord] = deque(maxlen=STEP_HISTORY)
         self.num_steps = 0
+        self.timeline = BatchTimeline(config.max_num_seqs)
 
     # -- requests ------------------------------------------------------------------------------
     def tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
@@ -167,14 +170,17 @@ class LLMEngine:
         self._states[request_id] = state
         for sample in state.samples:
             self.scheduler.add_request(sample.request)
+            self.timeline.arrive(sample.request)
             self._live_samples[sample.request.request_id] = (state, sample)
 
     def abort_request(self, request_id: str) -> None:
         state = self._states.pop(request_id, None)
         if state is None:
             return
+        now = time.monotonic()
         for sample in state.samples:
             self.scheduler.abort_request(sample.request.request_id)
+            self.timeline.leave(sample.request, now)
             self._live_samples.pop(sample.request.request_id, None)
 
     def has_unfinished_requests(self) -> bool:
@@ -202,6 +208,7 @@ class LLMEngine:
                         victim.num_tokens)
         results = self.runner.execute(sched)
         now = time.monotonic()
+        self.timeline.record_step(self.num_steps, start, now, sched.scheduled, sched.preempted)
         advanced = self.scheduler.update_from_output(
             sched, {rid: r.token_id for rid, r in results.items()}, now)
 
@@ -223,6 +230,7 @@ class LLMEngine:
                     self.scheduler.finish_request(request, RequestStatus.FINISHED_STOPPED)
             if request.is_finished:
                 request.metrics.finished_time = now
+                self.timeline.leave(request, now)
                 self._live_samples.pop(request.request_id)
             touched[state.request_id] = state
 
@@ -232,10 +240,11 @@ class LLMEngine:
             if state.finished:
                 del self._states[state.request_id]
         end = time.monotonic()
+        pool = self.scheduler.kv.pool
         self.steps.append(StepRecord(
             self.num_steps, end, end - start, len(sched.scheduled), len(self.scheduler.running),
             len(self.scheduler.waiting), sched.num_prefill_tokens, sched.num_decode_tokens,
-            self.scheduler.kv.pool.num_used_blocks, len(sched.preempted)))
+            pool.num_used_blocks, pool.num_cached_free_blocks, len(sched.preempted)))
         self.num_steps += 1
         return outputs
 

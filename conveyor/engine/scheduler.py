@@ -43,6 +43,11 @@ class SchedulerConfig:
                              f"max_num_seqs ({self.max_num_seqs})")
 
 
+def is_decode(request: Request, num_new_tokens: int) -> bool:
+    """A fresh decode: one token after the whole prompt. Anything else is prompt or recompute."""
+    return num_new_tokens == 1 and request.num_computed_tokens >= request.num_prompt_tokens
+
+
 @dataclass
 class SchedulerOutput:
     """One step's plan: ``(request, num_new_tokens)`` in batch order."""
@@ -205,8 +210,7 @@ class Scheduler:
                 request.metrics.first_scheduled_time = now
             out.scheduled.append((request, n))
             budget -= n
-        out.num_decode_tokens = sum(1 for r, n in out.scheduled
-                                    if n == 1 and r.num_computed_tokens >= r.num_prompt_tokens)
+        out.num_decode_tokens = sum(1 for r, n in out.scheduled if is_decode(r, n))
         return out
 
     def _pick_victim(self) -> Request:

@@ -13,6 +13,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from conveyor import __version__
 from conveyor.server.chat import create_chat_completion
 from conveyor.server.completions import create_completion
+from conveyor.server.dashboard import dashboard_router, mount_static
 from conveyor.engine.engine import LLMEngine
 from conveyor.server.errors import APIError, install_error_handlers
 from conveyor.server.protocol import (ChatCompletionRequest, ChatCompletionResponse,
@@ -42,6 +43,8 @@ def build_app(state: ServerState, ready_message: str = "") -> FastAPI:
     app = FastAPI(title="Conveyor", version=__version__, lifespan=lifespan,
                   description="OpenAI-compatible API over a continuously batching engine")
     install_error_handlers(app)
+    app.include_router(dashboard_router(state))
+    mount_static(app)
 
     @app.get("/health", summary="200 once the model is loaded")
     async def health() -> Response:

@@ -33,7 +33,8 @@ def _ready_message(state: ServerState, args: argparse.Namespace) -> str:
             f"policy {cfg.policy}, scheduling {cfg.scheduling_policy}, prefix caching "
             f"{'on' if cfg.enable_prefix_caching else 'off'}, max_num_seqs {cfg.max_num_seqs}, "
             f"max_num_batched_tokens {cfg.max_num_batched_tokens}, "
-            f"max_model_len {engine.max_model_len}, max_queue_len {args.max_queue_len}")
+            f"max_model_len {engine.max_model_len}, max_queue_len {args.max_queue_len}; "
+            f"live view: http://{args.host}:{args.port}/dashboard")
 
 
 def serve(args: argparse.Namespace) -> None:

@@ -95,5 +95,18 @@ class ServerMetrics:
         if longest > 1:
             self.tpot.observe(decode / (longest - 1))
 
+    def snapshot(self) -> dict[str, float]:
+        """Every counter and gauge as /metrics shows it at this moment, summed over labels, by
+        name without the ``conveyor:`` prefix (counters keep their ``_total``)."""
+        values: dict[str, float] = {}
+        for family in self.registry.collect():
+            if family.type not in ("counter", "gauge"):
+                continue
+            for sample in family.samples:
+                if not sample.name.endswith("_created"):
+                    name = sample.name.removeprefix("conveyor:")
+                    values[name] = values.get(name, 0.0) + sample.value
+        return values
+
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

@@ -1,0 +1,170 @@
+"""/dashboard in a real browser: Debian's chromium, driven by Playwright, while a burst runs.
+
+``.ci/run`` installs chromium and sets CONVEYOR_REQUIRE_BROWSER=1, so there a missing browser fails
+the run; elsewhere the test is skipped with the reason. Set CONVEYOR_SCREENSHOT_DIR to keep the
+screenshots (otherwise they go to pytest's temporary folder).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+
+import httpx
+import pytest
+
+from server_process import ServerProcess
+
+CHROMIUM = "/usr/bin/chromium"
+LAUNCH_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                "--disable-component-update", "--disable-sync", "--no-first-run"]
+# what the page shows, by its data-metric name, and the /metrics sample each must equal
+SHOWN = ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc",
+         "generation_tokens_total", "prompt_tokens_total", "request_success_total",
+         "num_preemptions_total")
+COUNTERS = ("generation_tokens_total", "prompt_tokens_total", "request_success_total",
+            "num_preemptions_total")
+
+if not os.path.exists(CHROMIUM):
+    if os.environ.get("CONVEYOR_REQUIRE_BROWSER"):
+        raise RuntimeError(f"{CHROMIUM} is missing: apt-get install chromium")
+    pytest.skip(f"{CHROMIUM} is not installed (apt-get install chromium)", allow_module_level=True)
+
+from playwright.sync_api import Page, sync_playwright  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def browser():
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=LAUNCH_FLAGS)
+        yield browser
+        browser.close()
+
+
+@pytest.fixture
+def screenshot_dir(tmp_path: Path) -> Path:
+    folder = Path(os.environ.get("CONVEYOR_SCREENSHOT_DIR", tmp_path))
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
+
+
+def start_burst(base_url: str, max_tokens: list[int], failures: list[str]
+                ) -> list[threading.Thread]:
+    """One thread per request, all at once, so they queue and board the batch step by step."""
+    def send(i: int, n: int) -> None:
+        r = httpx.post(f"{base_url}/v1/completions", timeout=600, json={
+            "prompt": f"Request {i}: tell a story about trains", "max_tokens": n,
+            "temperature": 0.0, "ignore_eos": True})
+        if r.status_code != 200 or r.json()["usage"]["completion_tokens"] != n:
+            failures.append(f"request {i}: {r.status_code} {r.text[:200]}")
+
+    threads = [threading.Thread(target=send, args=(i, n)) for i, n in enumerate(max_tokens)]
+    for t in threads:
+        t.start()
+    return threads
+
+
+def shown(page: Page) -> dict[str, float]:
+    return page.evaluate("""() => Object.fromEntries([...document.querySelectorAll(
+        '.stat b[data-metric], .stat span[data-metric]')].map(el => [el.dataset.metric,
+        Number(el.dataset.value)]))""")
+
+
+def wait_for_updates(page: Page, more: int) -> None:
+    """Until the page has applied ``more`` further polls (each polls once, then renders)."""
+    now = page.evaluate("window.conveyorDashboard.updates")
+    page.wait_for_function(f"window.conveyorDashboard.updates >= {now + more}", timeout=15_000)
+
+
+def metrics(server: ServerProcess) -> dict[str, float]:
+    """/metrics by the page's names: no prefix, request_success added up over finish reasons."""
+    out: dict[str, float] = {}
+    for key, value in server.metrics().items():
+        name = key.removeprefix("conveyor:").split(":")[0]
+        out[name] = out.get(name, 0.0) + value
+    return out
+
+
+def open_dashboard(browser, server: ServerProcess) -> Page:
+    page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    errors: list[str] = []
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    page.goto(f"{server.base_url}/dashboard")
+    page.wait_for_function("window.conveyorDashboard && window.conveyorDashboard.updates >= 1")
+    page.errors = errors  # checked at the end of each test
+    return page
+
+
+def run_burst_and_check(browser, server: ServerProcess, max_tokens: list[int]) -> Page:
+    page = open_dashboard(browser, server)
+    failures: list[str] = []
+    threads = start_burst(server.base_url, max_tokens, failures)
+    page.wait_for_function("window.conveyorDashboard.drawn > 0", timeout=60_000)
+
+    # Under load, the numbers move: what the page shows after one more poll lies between what
+    # /metrics said just before that poll and what it says just after.
+    before = metrics(server)
+    wait_for_updates(page, 2)
+    on_page = shown(page)
+    after = metrics(server)
+    for name in COUNTERS:
+        low, high = before.get(name, 0.0), after.get(name, 0.0)  # absent until first counted
+        assert low <= on_page[name] <= high, (name, before, on_page, after)
+    assert 0 <= on_page["num_requests_running"] <= server_max_seqs(page)
+
+    for t in threads:
+        t.join()
+    assert failures == []
+    wait_for_updates(page, 2)
+    on_page, now = shown(page), metrics(server)
+    for name in SHOWN:  # at rest: equal, gauges included
+        assert on_page[name] == pytest.approx(now[name]), (name, on_page, now)
+    assert on_page["request_success_total"] >= len(max_tokens)
+    assert float(page.get_attribute("#ttft", "data-value")) > 0  # p95 over the finished ones
+    assert page.evaluate("window.conveyorDashboard.segs.some(s => s.phase === 'prefill')")
+    assert page.evaluate("window.conveyorDashboard.segs.some(s => s.phase === 'decode')")
+    for chart in ("#timeline", "#batch-chart", "#kv-chart", "#tokens-chart"):
+        assert page.locator(f"{chart} canvas").count() == 1
+    assert page.errors == []
+    return page
+
+
+def server_max_seqs(page: Page) -> int:
+    return page.evaluate("window.conveyorDashboard.settings.max_num_seqs")
+
+
+def test_dashboard_follows_a_continuous_burst(browser, screenshot_dir):
+    server = ServerProcess("--max-num-seqs", "8")
+    try:
+        server.wait_ready()
+        page = run_burst_and_check(browser, server, [8 + 7 * (i % 8) for i in range(32)])
+        # continuous batching refills a freed seat at the next step
+        assert float(page.get_attribute("#idle-waiting", "data-value")) < 0.1
+        page.select_option("#window", "fit")
+        page.screenshot(path=str(screenshot_dir / "dashboard-continuous.png"), full_page=True)
+        page.select_option("#lanes", "requests")
+        page.wait_for_function("window.conveyorDashboard.drawn > 0")
+        page.screenshot(path=str(screenshot_dir / "dashboard-continuous-requests.png"),
+                        full_page=True)
+        page.close()
+    finally:
+        server.terminate()
+
+
+def test_dashboard_shows_the_idle_seats_of_a_static_batch(browser, screenshot_dir):
+    server = ServerProcess("--max-num-seqs", "4", "--policy", "static")
+    try:
+        server.wait_ready()
+        # each batch of 4 waits for its one long request; three seats sit empty meanwhile
+        page = run_burst_and_check(browser, server, [4, 4, 4, 48] * 3)
+        idle = float(page.get_attribute("#idle-waiting", "data-value"))
+        assert idle > 0.4, f"static batch: only {idle:.0%} of seats idle while requests waited"
+        assert page.evaluate("window.conveyorDashboard.settings.policy") == "static"
+        page.select_option("#window", "fit")
+        page.screenshot(path=str(screenshot_dir / "dashboard-static.png"), full_page=True)
+        page.close()
+    finally:
+        server.terminate()
