@@ -26,6 +26,7 @@
     finished: [],       // {time, ttft, tpot, e2el} of requests that ended normally
     tokensSeen: [],     // [now, generation_tokens_total] per poll
     drawn: 0,           // bars painted in the last frame (read by the browser test)
+    renderMs: [],       // how long each refresh took to ingest and draw (the last 600)
   };
 
   // -- ingesting the feed --------------------------------------------------------------------
@@ -336,7 +337,7 @@
       width: chartWidth(el), height: 220,
       cursor: {points: {size: 4}, drag: {x: false, y: false}},
       scales: {x: {time: false, range: xRange}},
-      axes: [axis({values: relativeTime}), axis({size: 50})],
+      axes: [axis({values: relativeTime}), axis({size: 64})],
       series: [{label: "t", value: (u, v) => (v === null ? "–" : `${(v - S.now).toFixed(1)} s`)},
                ...series.map(([label, stroke, fill]) => ({label, stroke, width: 1.5,
                                                           fill, points: {show: false}}))],
@@ -384,9 +385,13 @@
     try {
       const response = await fetch(url, {cache: "no-store"});
       if (!response.ok) throw new Error(`HTTP ${response.status}`);
-      ingest(await response.json());
+      const feed = await response.json();
+      const t0 = performance.now();
+      ingest(feed);
       S.updates += 1;
       if (!ui.pause.checked) { renderNumbers(); renderCharts(); }
+      S.renderMs.push(performance.now() - t0);
+      if (S.renderMs.length > 600) S.renderMs.shift();
       ui.status.classList.remove("stale");
       ui.status.textContent = `step ${fmtInt(S.nextStep)} · updated ${new Date().toLocaleTimeString()}`;
     } catch (err) {
