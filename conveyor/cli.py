@@ -28,6 +28,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-model-len", type=int, default=None,
                    help="longest prompt + output (default: the model's, capped by the pool)")
     g.add_argument("--policy", default="continuous", choices=["continuous", "static"])
+    g.add_argument("--kv-layout", default="paged", choices=["paged", "contiguous"],
+                   help="contiguous: reserve max_model_len per request at admission, as static "
+                        "serving stacks do (to measure what paging saves; no prefix caching)")
     g.add_argument("--enable-prefix-caching", default=True, action=argparse.BooleanOptionalAction,
                    help="reuse the KV pages of shared prompt prefixes (default: on)")
     g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],
@@ -43,6 +46,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                         max_num_seqs=args.max_num_seqs,
                         max_num_batched_tokens=args.max_num_batched_tokens,
                         max_model_len=args.max_model_len, policy=args.policy,
+                        kv_layout=args.kv_layout,
                         enable_prefix_caching=args.enable_prefix_caching,
                         scheduling_policy=args.scheduling_policy, seed=args.seed,
                         device=args.device, threads=args.threads)

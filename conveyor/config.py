@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from conveyor.engine.kv_cache_manager import KV_LAYOUTS
 from conveyor.engine.scheduler import POLICIES, SCHEDULING_POLICIES
 
 _DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
@@ -48,6 +49,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None
     policy: str = "continuous"
+    kv_layout: str = "paged"    # "contiguous" reserves max_model_len per request (no sharing)
     enable_prefix_caching: bool = True
     scheduling_policy: str = "fcfs"
     seed: int = 0
@@ -62,6 +64,10 @@ class EngineConfig:
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, "
                              f"got {self.scheduling_policy!r}")
+        if self.kv_layout not in KV_LAYOUTS:
+            raise ValueError(f"kv_layout must be one of {KV_LAYOUTS}, got {self.kv_layout!r}")
+        if self.kv_layout == "contiguous":
+            self.enable_prefix_caching = False  # a region belongs to one request
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {getattr(self, name)!r}")

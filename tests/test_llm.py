@@ -145,3 +145,21 @@ def test_unknown_model_path_and_bad_settings():
         LLM(policy="sometimes")
     with pytest.raises(ValueError, match="max_model_len 4096 does not fit"):
         LLM(num_kv_blocks=8, max_model_len=4096)
+
+
+def test_contiguous_layout_gives_the_same_tokens_with_fewer_seats(llm):
+    """--kv-layout contiguous reserves max_model_len per request: same greedy outputs as paging,
+    but the pool only holds pool // max_model_len requests at once."""
+    prompts = PROMPTS * 3
+    params = greedy(20, ignore_eos=True)
+    paged = llm.generate(prompts, params, use_tqdm=False)
+    contiguous = LLM(dtype="float32", num_kv_blocks=96, max_model_len=512, max_num_seqs=8,
+                     kv_layout="contiguous")
+    assert not contiguous.engine.config.enable_prefix_caching
+    out = contiguous.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in out] == [o.outputs[0].token_ids for o in paged]
+    steps = list(contiguous.engine.steps)
+    assert max(s.num_running for s in steps) == 96 // (512 // 16)  # three regions of 32 pages
+    assert_no_leak(contiguous)
+    with pytest.raises(ValueError, match="needs 64 KV pages; the pool has 40"):
+        LLM(num_kv_blocks=40, max_model_len=1024, kv_layout="contiguous")

@@ -10,7 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conveyor.engine.block_pool import BlockPool
-from conveyor.engine.kv_cache_manager import KVCacheManager, cdiv
+from conveyor.engine.kv_cache_manager import (ContiguousKVCacheManager, KVCacheManager, cdiv,
+                                               make_kv_cache_manager)
 from conveyor.engine.request import Request, RequestStatus
 from conveyor.engine.scheduler import Scheduler, SchedulerConfig
 from conveyor.engine.timeline import DECODE, BatchTimeline
@@ -61,6 +62,7 @@ def workloads(draw):
     budget = draw(st.integers(max_num_seqs, max_num_seqs + 64))
     policy = draw(st.sampled_from(["continuous", "static"]))
     caching = draw(st.booleans())
+    layout = draw(st.sampled_from(["paged", "contiguous"]))
     requests = []
     for _ in range(draw(st.integers(1, 24))):
         prompt = draw(st.integers(1, max_model_len - 1))
@@ -70,8 +72,8 @@ def workloads(draw):
         requests.append((prompt, max_tokens, stop_after, arrival))
     abort = draw(st.lists(st.tuples(st.integers(0, len(requests) - 1), st.integers(0, 60)),
                           max_size=3))
-    return (block_size, num_blocks, max_model_len, max_num_seqs, budget, policy, caching, requests,
-            abort)
+    return (block_size, num_blocks, max_model_len, max_num_seqs, budget, policy, caching, layout,
+            requests, abort)
 
 
 def check_invariants(sched: Scheduler, out, num_blocks: int, block_size: int) -> None:
@@ -91,6 +93,11 @@ def check_invariants(sched: Scheduler, out, num_blocks: int, block_size: int) ->
         assert sched.kv.pool.ref_count(b) == count
     if not sched.kv.pool.enable_caching:
         assert all(count == 1 for count in holders.values()), "a page is owned twice"
+    if isinstance(sched.kv, ContiguousKVCacheManager):  # whole, aligned regions
+        for r in sched.running:
+            first = r.block_ids[0]
+            assert first % sched.kv.region_blocks == 0
+            assert r.block_ids == list(range(first, first + sched.kv.region_blocks))
     assert sched.kv.pool.num_free_blocks + len(holders) == num_blocks
     pool = sched.kv.pool
     assert pool.num_cached_free_blocks == sum(1 for b in pool._cached.values()
@@ -114,9 +121,9 @@ def check_seating(timeline: BatchTimeline, out, seat_of: dict[str, int]) -> None
 @settings(max_examples=150, deadline=None)
 @given(workloads())
 def test_scheduler_invariants_fcfs_and_no_leaks(workload):
-    (block_size, num_blocks, max_model_len, max_num_seqs, budget, policy, caching, specs,
+    (block_size, num_blocks, max_model_len, max_num_seqs, budget, policy, caching, layout, specs,
      aborts) = workload
-    kv = KVCacheManager(num_blocks, block_size, enable_caching=caching)
+    kv = make_kv_cache_manager(layout, num_blocks, block_size, max_model_len, caching)
     sched = Scheduler(SchedulerConfig(max_num_seqs, budget, max_model_len, policy), kv)
     rng = random.Random(0)
     reqs = [Request(str(i), [rng.randrange(1, 100) for _ in range(p)],

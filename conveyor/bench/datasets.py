@@ -81,6 +81,20 @@ def random_dataset(tokenizer, num: int, seed: int, input_len: int, output_len: i
     return out
 
 
+def uniform_dataset(tokenizer, num: int, seed: int, input_range: tuple[int, int],
+                    output_range: tuple[int, int]) -> list[BenchRequest]:
+    """English prompts (from the bundled passage) and output lengths uniform in the given ranges,
+    both ends included: a workload any server tokenizes the same way."""
+    rng = random.Random(seed)
+    pool = _token_pool(tokenizer)
+    out = []
+    for _ in range(num):
+        req = _prompt_of_length(pool, rng.randint(*input_range), rng, tokenizer)
+        req.output_len = rng.randint(*output_range)
+        out.append(req)
+    return out
+
+
 def jsonl_dataset(tokenizer, path: str, num: int, default_output_len: int) -> list[BenchRequest]:
     """One JSON object per line: {"prompt": str, "output_len": int (optional)}."""
     out = []

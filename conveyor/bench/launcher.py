@@ -18,21 +18,23 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-class ConveyorServer:
-    """``conveyor serve`` in a child process; a context manager that waits for /health."""
+class ServerProcess:
+    """A server in a child process on a free loopback port; a context manager that waits for
+    /health. Subclasses say how to start it."""
 
-    def __init__(self, flags: list[str], log_path: str, startup_timeout: float = 600.0) -> None:
+    def __init__(self, log_path: str, startup_timeout: float = 600.0) -> None:
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
-        self.flags = flags
         self.log_path = log_path
         self.startup_timeout = startup_timeout
         self.proc: subprocess.Popen | None = None
 
-    def __enter__(self) -> "ConveyorServer":
+    def command(self) -> list[str]:
+        raise NotImplementedError
+
+    def __enter__(self) -> "ServerProcess":
         self._log = open(self.log_path, "w")
-        cmd = [sys.executable, "-m", "conveyor.cli", "serve", "--port", str(self.port),
-               *self.flags]
+        cmd = self.command()
         env = dict(os.environ, HF_HUB_OFFLINE="1")
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env)
         deadline = time.monotonic() + self.startup_timeout
@@ -41,8 +43,7 @@ class ConveyorServer:
                 self._log.close()
                 with open(self.log_path) as f:
                     tail = f.read()[-2000:]
-                raise RuntimeError(f"conveyor serve {' '.join(self.flags)} exited with "
-                                   f"{self.proc.returncode}:\n{tail}")
+                raise RuntimeError(f"{' '.join(cmd)} exited with {self.proc.returncode}:\n{tail}")
             try:
                 if httpx.get(self.base_url + "/health", timeout=2).status_code == 200:
                     return self
@@ -50,7 +51,7 @@ class ConveyorServer:
                 pass
             time.sleep(0.5)
         self.__exit__(None, None, None)
-        raise RuntimeError(f"conveyor serve did not become healthy in {self.startup_timeout} s")
+        raise RuntimeError(f"{cmd[0]} did not become healthy in {self.startup_timeout} s")
 
     def __exit__(self, *exc) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -62,13 +63,25 @@ class ConveyorServer:
                 self.proc.wait()
         self._log.close()
 
+    def warm_up(self, model: str) -> None:
+        """One short request, so first-call costs stay out of the measurement."""
+        httpx.post(self.base_url + "/v1/completions", timeout=300,
+                   json={"model": model, "prompt": "Hello", "max_tokens": 4}).raise_for_status()
+
+
+class ConveyorServer(ServerProcess):
+    """``conveyor serve`` with the given flags."""
+
+    def __init__(self, flags: list[str], log_path: str, startup_timeout: float = 600.0) -> None:
+        super().__init__(log_path, startup_timeout)
+        self.flags = flags
+
+    def command(self) -> list[str]:
+        return [sys.executable, "-m", "conveyor.cli", "serve", "--port", str(self.port),
+                *self.flags]
+
     def steps(self, since: int = 0) -> dict:
         """The server's per-step record from step ``since`` on."""
         resp = httpx.get(f"{self.base_url}/v1/engine/steps", params={"since": since}, timeout=60)
         resp.raise_for_status()
         return resp.json()
-
-    def warm_up(self, model: str) -> None:
-        """One short request, so first-call costs stay out of the measurement."""
-        httpx.post(self.base_url + "/v1/completions", timeout=300,
-                   json={"model": model, "prompt": "Hello", "max_tokens": 4}).raise_for_status()

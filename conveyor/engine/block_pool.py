@@ -72,6 +72,17 @@ class BlockPool:
             blocks.append(b)
         return blocks
 
+    def take(self, block_ids: list[int]) -> None:
+        """Hand out these particular free pages (a contiguous region), or none of them."""
+        if any(self._ref_counts[b] for b in block_ids):
+            raise RuntimeError(f"KV pages {block_ids[0]}..{block_ids[-1]} are not all free")
+        for b in block_ids:
+            del self._free[b]
+            if self._hash_of[b] is not None:
+                self._num_cached_free -= 1
+            self._evict(b)
+            self._ref_counts[b] = 1
+
     def free(self, block_ids: list[int]) -> None:
         """Let go of pages; the first given is the first evicted (pass a request's tail first)."""
         for b in block_ids:

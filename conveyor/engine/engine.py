@@ -16,7 +16,7 @@ import torch
 
 from conveyor.config import EngineConfig
 from conveyor.engine.detokenizer import IncrementalDetokenizer
-from conveyor.engine.kv_cache_manager import KVCacheManager
+from conveyor.engine.kv_cache_manager import make_kv_cache_manager
 from conveyor.engine.request import Request, RequestStatus
 from conveyor.engine.scheduler import Scheduler, SchedulerConfig
 from conveyor.engine.timeline import BatchTimeline
@@ -94,7 +94,8 @@ class LLMEngine:
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, model_len,
                             config.policy, config.scheduling_policy),
-            KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching))
+            make_kv_cache_manager(config.kv_layout, num_blocks, config.block_size, model_len,
+                                  config.enable_prefix_caching))
         self.runner = ModelRunner(loaded.config, loaded.weights, dtype=self.dtype,
                                   device=self.device, num_blocks=num_blocks,
                                   block_size=config.block_size, max_model_len=model_len,

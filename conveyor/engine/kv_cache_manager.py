@@ -1,6 +1,13 @@
-"""Maps requests to KV pages: finds cached prefixes, grows block tables, publishes full pages."""
+"""Maps requests to KV pages: finds cached prefixes, grows block tables, publishes full pages.
+
+``KV_LAYOUTS``: ``paged`` grows a request page by page as its tokens arrive; ``contiguous`` is what
+static serving stacks do, kept to measure what paging saves: each request reserves one region of
+``max_model_len`` tokens, contiguous in the cache, when it is admitted, used or not.
+"""
 
 from __future__ import annotations
+
+import heapq
 
 from conveyor.engine.block_pool import BlockHash, BlockPool, hash_block
 from conveyor.engine.request import Request
@@ -78,3 +85,43 @@ class KVCacheManager:
         self.pool.free(request.block_ids[::-1])
         request.block_ids = []
         request.num_published_blocks = 0
+
+
+class ContiguousKVCacheManager(KVCacheManager):
+    """One region of ``cdiv(max_model_len, block_size)`` consecutive pages per request, taken
+    whole at admission and given back whole. No prefix sharing: a region belongs to one request."""
+
+    def __init__(self, num_blocks: int, block_size: int, max_model_len: int) -> None:
+        super().__init__(num_blocks, block_size, enable_caching=False)
+        self.region_blocks = cdiv(max_model_len, block_size)
+        self.num_regions = num_blocks // self.region_blocks
+        if self.num_regions < 1:
+            raise ValueError(f"a contiguous region of max_model_len {max_model_len} tokens needs "
+                             f"{self.region_blocks} KV pages; the pool has {num_blocks}")
+        self._free_regions = list(range(self.num_regions))  # a heap
+
+    def allocate_slots(self, request: Request, num_new_tokens: int,
+                       cached_blocks: list[int] = ()) -> bool:
+        if request.block_ids:  # its region already covers max_model_len
+            return True
+        if not self._free_regions:
+            return False
+        start = heapq.heappop(self._free_regions) * self.region_blocks
+        request.block_ids = list(range(start, start + self.region_blocks))
+        self.pool.take(request.block_ids)
+        return True
+
+    def free(self, request: Request) -> None:
+        if request.block_ids:
+            heapq.heappush(self._free_regions, request.block_ids[0] // self.region_blocks)
+        super().free(request)
+
+
+KV_LAYOUTS = ("paged", "contiguous")
+
+
+def make_kv_cache_manager(layout: str, num_blocks: int, block_size: int, max_model_len: int,
+                          enable_caching: bool) -> KVCacheManager:
+    if layout == "contiguous":
+        return ContiguousKVCacheManager(num_blocks, block_size, max_model_len)
+    return KVCacheManager(num_blocks, block_size, enable_caching)

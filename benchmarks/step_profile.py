@@ -1,0 +1,138 @@
+"""Where a decode step goes, at a given batch size, and how close its linears come to the machine.
+
+Fills a batch with ``--batch`` requests of ``--context`` prompt tokens, lets them all reach
+decode, then times ``--steps`` decode steps through ``LLMEngine.step`` with each phase clocked:
+scheduling, input preparation, the network (linears, attention and the rest), logits, sampling,
+and the engine's own bookkeeping (advance, detokenize, outputs). In the same run it times the
+model's own linear layers alone at the same M (``F.linear`` on its weights), so the step's
+linear FLOPs can be set against the rate the linears reach by themselves.
+
+    .venv/bin/python benchmarks/step_profile.py --batch 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+from collections import defaultdict
+
+import torch
+import torch.nn.functional as F
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from conveyor.config import EngineConfig  # noqa: E402
+from conveyor.engine.engine import LLMEngine  # noqa: E402
+from conveyor.model import model as model_module  # noqa: E402
+from conveyor.sampling_params import SamplingParams  # noqa: E402
+
+
+class _Clocked:
+    """Stands in for a callable attribute: times each call, passes everything else through."""
+
+    def __init__(self, inner, spent: dict[str, float], label: str) -> None:
+        self.inner, self.spent, self.label = inner, spent, label
+
+    def __call__(self, *args, **kwargs):
+        t = time.perf_counter()
+        try:
+            return self.inner(*args, **kwargs)
+        finally:
+            self.spent[self.label] += time.perf_counter() - t
+
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)
+
+
+def clock(obj, name: str, spent: dict[str, float], label: str) -> None:
+    """Add the wall time of every call of ``obj.name`` to ``spent[label]``."""
+    setattr(obj, name, _Clocked(getattr(obj, name), spent, label))
+
+
+def linear_rate(model, m: int, dtype: torch.dtype, repeats: int = 20) -> tuple[float, float]:
+    """(GFLOP in one pass of the model's linears at M=m, their GFLOP/s run alone)."""
+    weights = [mod.weight for mod in model.layers.modules() if isinstance(mod, torch.nn.Linear)]
+    weights.append(model.tok_embeddings.weight if model.output is None else model.output.weight)
+    flop = sum(2 * m * w.shape[0] * w.shape[1] for w in weights)
+    xs = {w.shape[1]: torch.randn(m, w.shape[1], dtype=dtype) for w in weights}
+    with torch.inference_mode():
+        for w in weights:
+            F.linear(xs[w.shape[1]], w)
+        times = []
+        for _ in range(repeats):
+            t = time.perf_counter()
+            for w in weights:
+                F.linear(xs[w.shape[1]], w)
+            times.append(time.perf_counter() - t)
+    return flop / 1e9, flop / statistics.median(times) / 1e9
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default=None)
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--context", type=int, default=256, help="prompt tokens per request")
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--threads", type=int, default=None)
+    args = p.parse_args()
+    engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, max_num_seqs=args.batch,
+                                    max_num_batched_tokens=max(2048, args.batch),
+                                    enable_prefix_caching=False, threads=args.threads,
+                                    num_kv_blocks=args.batch * (args.context // 16 + 8),
+                                    max_model_len=args.context + 16 * 8))
+    vocab = engine.model_config.vocab_size
+    gen = torch.Generator().manual_seed(0)
+    for i in range(args.batch):
+        ids = torch.randint(100, vocab, (args.context,), generator=gen).tolist()
+        engine.add_request(str(i), ids, SamplingParams(temperature=0, max_tokens=16 * 8 - 1,
+                                                       ignore_eos=True))
+    while any(r.num_output_tokens == 0 for r in engine.scheduler.requests.values()):
+        engine.step()
+    for _ in range(3):  # warm
+        engine.step()
+
+    spent: dict[str, float] = defaultdict(float)
+    runner, model = engine.runner, engine.runner.model
+    clock(engine.scheduler, "schedule", spent, "schedule")
+    clock(runner, "_prepare", spent, "prepare inputs")
+    clock(model, "compute_logits", spent, "logits (lm_head)")
+    clock(runner, "sampler", spent, "sample")
+    for mod in model.layers.modules():
+        if isinstance(mod, torch.nn.Linear):
+            clock(mod, "forward", spent, "linears (layers)")
+    clock(model_module, "paged_attention", spent, "attention (write KV, gather, SDPA)")
+    forward_spent: dict[str, float] = defaultdict(float)
+    clock(model, "forward", forward_spent, "network")
+
+    totals = []
+    for _ in range(args.steps):
+        t = time.perf_counter()
+        engine.step()
+        totals.append(time.perf_counter() - t)
+    step = sum(totals)
+    spent["network: norms, rope, residuals, the rest"] = (
+        forward_spent["network"] - spent["linears (layers)"]
+        - spent["attention (write KV, gather, SDPA)"])
+    spent["engine bookkeeping (advance, detokenize, outputs)"] = step - sum(
+        spent[k] for k in ("schedule", "prepare inputs", "logits (lm_head)", "sample")) \
+        - forward_spent["network"]
+
+    print(f"\ndecode step at batch {args.batch}, context {args.context}+, {args.dtype}, "
+          f"threads {torch.get_num_threads()}: median {statistics.median(totals) * 1e3:.1f} ms, "
+          f"mean {step / args.steps * 1e3:.1f} ms over {args.steps} steps")
+    for label, seconds in sorted(spent.items(), key=lambda kv: -kv[1]):
+        print(f"  {label:<52}{seconds / args.steps * 1e3:>8.1f} ms{seconds / step:>7.1%}")
+    overhead = sum(spent[k] for k in ("schedule", "prepare inputs", "sample"))
+    print(f"  scheduler + input preparation + sampling: {overhead / step:.1%} of the step")
+    gflop, alone = linear_rate(model, args.batch, engine.dtype)
+    achieved = gflop / (step / args.steps)
+    print(f"linear FLOPs per step {gflop:.1f} GFLOP; the model's linears alone at M={args.batch}: "
+          f"{alone:.0f} GFLOP/s; the whole step: {achieved:.0f} GFLOP/s = {achieved / alone:.0%} "
+          f"of the linear rate")
+
+
+if __name__ == "__main__":
+    main()
