@@ -16,6 +16,28 @@ from conveyor.model.attention import AttentionMetadata, paged_attention
 from conveyor.model.config import ModelConfig
 
 
+class Linear(nn.Linear):
+    """``nn.Linear`` whose weight can be reordered once into oneDNN's blocked layout.
+
+    On the CPU in bfloat16 the prepacked matmul is 1.4-2.3x faster at the row counts a step has
+    (1-64) and gives the same bits as ``F.linear`` (checked in tests/test_model_layers.py)."""
+
+    packed: torch.Tensor | None = None
+
+    def prepack(self) -> None:
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is None:
+            return F.linear(x, self.weight, self.bias)
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+
+def can_prepack(device: torch.device, dtype: torch.dtype) -> bool:
+    return (device.type == "cpu" and dtype == torch.bfloat16
+            and torch.backends.mkldnn.is_available())
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -72,9 +94,9 @@ class Attention(nn.Module):
                                                         config.head_dim)
         self.q_size = self.n_heads * self.head_dim
         self.kv_size = self.n_kv_heads * self.head_dim
-        self.wqkv = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size,
-                              bias=config.attention_bias)
-        self.wo = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        self.wqkv = Linear(config.hidden_size, self.q_size + 2 * self.kv_size,
+                           bias=config.attention_bias)
+        self.wo = Linear(self.q_size, config.hidden_size, bias=False)
         if config.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -99,8 +121,8 @@ class FeedForward(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.intermediate = config.intermediate_size
-        self.w13 = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.w2 = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.w13 = Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.w2 = Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.w13(x).split(self.intermediate, dim=-1)
@@ -128,7 +150,8 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(TransformerBlock(config) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.output = (None if config.tie_word_embeddings
-                       else nn.Linear(config.hidden_size, config.vocab_size, bias=False))
+                       else Linear(config.hidden_size, config.vocab_size, bias=False))
+        self.packed_head: torch.Tensor | None = None  # the tied head, when prepacked
 
     def forward(self, input_ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
@@ -140,8 +163,21 @@ class Transformer(nn.Module):
         return self.norm(h)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.tok_embeddings.weight if self.output is None else self.output.weight
-        return F.linear(hidden, weight).float()
+        if self.output is not None:
+            return self.output(hidden).float()
+        if self.packed_head is not None:
+            return torch.ops.mkldnn._linear_pointwise(hidden, self.packed_head, None, "none", [],
+                                                      "").float()
+        return F.linear(hidden, self.tok_embeddings.weight).float()
+
+    def prepack(self) -> None:
+        """Reorder every linear weight for oneDNN (see ``Linear``); call after loading."""
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.prepack()
+        if self.output is None:
+            self.packed_head = torch.ops.mkldnn._reorder_linear_weight(
+                self.tok_embeddings.weight.detach(), 64)
 
     @torch.no_grad()
     def load_weights(self, weights: dict[str, torch.Tensor]) -> None:

@@ -9,7 +9,7 @@ from conveyor.engine.request import Request
 from conveyor.engine.scheduler import SchedulerOutput
 from conveyor.model.attention import AttentionMetadata, DecodeGroup, PrefillChunk
 from conveyor.model.config import ModelConfig
-from conveyor.model.model import Transformer, rope_tables
+from conveyor.model.model import Transformer, can_prepack, rope_tables
 from conveyor.model.sampler import SampleResult, Sampler
 
 
@@ -50,6 +50,8 @@ class ModelRunner:
             self.model = Transformer(config).to(dtype)
         self.model.load_weights(weights)
         self.model.eval()
+        if can_prepack(device, dtype):
+            self.model.prepack()
         shape = (num_blocks, block_size, config.num_kv_heads, config.head_dim)
         self.kv_caches = [(torch.zeros(shape, dtype=dtype, device=device),
                            torch.zeros(shape, dtype=dtype, device=device))
