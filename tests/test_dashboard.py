@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from pathlib import Path
 
 import httpx
@@ -51,9 +52,10 @@ def screenshot_dir(tmp_path: Path) -> Path:
     return folder
 
 
-def start_burst(base_url: str, max_tokens: list[int], failures: list[str]
+def start_burst(base_url: str, max_tokens: list[int], failures: list[str], stagger: float
                 ) -> list[threading.Thread]:
-    """One thread per request, all at once, so they queue and board the batch step by step."""
+    """One thread per request, ``stagger`` seconds apart, so they queue and board the batch
+    step by step."""
     def send(i: int, n: int) -> None:
         r = httpx.post(f"{base_url}/v1/completions", timeout=600, json={
             "prompt": f"Request {i}: tell a story about trains", "max_tokens": n,
@@ -64,6 +66,7 @@ def start_burst(base_url: str, max_tokens: list[int], failures: list[str]
     threads = [threading.Thread(target=send, args=(i, n)) for i, n in enumerate(max_tokens)]
     for t in threads:
         t.start()
+        time.sleep(stagger)
     return threads
 
 
@@ -98,10 +101,11 @@ def open_dashboard(browser, server: ServerProcess) -> Page:
     return page
 
 
-def run_burst_and_check(browser, server: ServerProcess, max_tokens: list[int]) -> Page:
+def run_burst_and_check(browser, server: ServerProcess, max_tokens: list[int],
+                        stagger: float = 0.0) -> Page:
     page = open_dashboard(browser, server)
     failures: list[str] = []
-    threads = start_burst(server.base_url, max_tokens, failures)
+    threads = start_burst(server.base_url, max_tokens, failures, stagger)
     page.wait_for_function("window.conveyorDashboard.drawn > 0", timeout=60_000)
 
     # Under load, the numbers move: what the page shows after one more poll lies between what
@@ -158,8 +162,10 @@ def test_dashboard_shows_the_idle_seats_of_a_static_batch(browser, screenshot_di
     server = ServerProcess("--max-num-seqs", "4", "--policy", "static")
     try:
         server.wait_ready()
-        # each batch of 4 waits for its one long request; three seats sit empty meanwhile
-        page = run_burst_and_check(browser, server, [4, 4, 4, 48] * 3)
+        # The first request runs alone (nothing else has arrived) while the rest queue in order,
+        # so the next batches are exactly [4, 4, 4, 48] x 3: each waits for its one long
+        # request while three seats sit empty and requests wait.
+        page = run_burst_and_check(browser, server, [40] + [4, 4, 4, 48] * 3, stagger=0.05)
         idle = float(page.get_attribute("#idle-waiting", "data-value"))
         assert idle > 0.4, f"static batch: only {idle:.0%} of seats idle while requests waited"
         assert page.evaluate("window.conveyorDashboard.settings.policy") == "static"
