@@ -174,3 +174,23 @@ def test_dashboard_shows_the_idle_seats_of_a_static_batch(browser, screenshot_di
         page.close()
     finally:
         server.terminate()
+
+
+def test_dashboard_marks_preemptions(browser, screenshot_dir):
+    # 24 pages of 16 tokens for 8 seats of ~70-token requests: the batch outgrows the pool and
+    # the scheduler preempts (by recompute); the page must count and draw them.
+    server = ServerProcess("--max-num-seqs", "8", "--num-kv-blocks", "24", "--max-model-len", "256")
+    try:
+        server.wait_ready()
+        page = run_burst_and_check(browser, server, [60] * 16)
+        shown_preemptions = float(page.get_attribute('[data-metric="num_preemptions_total"]',
+                                                     "data-value"))
+        assert shown_preemptions > 0
+        drawn = page.evaluate("[...conveyorDashboard.reqs.values()]"
+                              ".reduce((n, r) => n + r.preempts.length, 0)")
+        assert drawn == shown_preemptions  # one red mark per preemption /metrics counted
+        page.select_option("#window", "fit")
+        page.screenshot(path=str(screenshot_dir / "dashboard-preemption.png"), full_page=True)
+        page.close()
+    finally:
+        server.terminate()
