@@ -65,10 +65,7 @@ class BlockPool:
         blocks = []
         for _ in range(n):
             b, _ = self._free.popitem(last=False)
-            if self._hash_of[b] is not None:
-                self._num_cached_free -= 1
-            self._evict(b)
-            self._ref_counts[b] = 1
+            self._claim(b)
             blocks.append(b)
         return blocks
 
@@ -78,10 +75,14 @@ class BlockPool:
             raise RuntimeError(f"KV pages {block_ids[0]}..{block_ids[-1]} are not all free")
         for b in block_ids:
             del self._free[b]
-            if self._hash_of[b] is not None:
-                self._num_cached_free -= 1
-            self._evict(b)
-            self._ref_counts[b] = 1
+            self._claim(b)
+
+    def _claim(self, b: int) -> None:
+        """A page just taken out of the free queue becomes a fresh page, held once."""
+        if self._hash_of[b] is not None:
+            self._num_cached_free -= 1
+        self._evict(b)
+        self._ref_counts[b] = 1
 
     def free(self, block_ids: list[int]) -> None:
         """Let go of pages; the first given is the first evicted (pass a request's tail first)."""
