@@ -1,9 +1,10 @@
 """Attention over the paged KV cache, for a flat batch of tokens from many requests.
 
-The runner lays a step's tokens out as all single-token queries first (decodes, batched into a
-few SDPA calls over gathered pages, one per group of similar context lengths so that short
-contexts are not padded to the longest) and then one run per multi-token chunk (prefills, one
-SDPA call each: there are few per step, bounded by the token budget).
+The runner lays a step's tokens out as all single-token queries first (decodes) and then one run
+per multi-token chunk (prefills, one SDPA call each: there are few per step, bounded by the token
+budget). Decodes go, on the CPU in bfloat16, to one call of the paged decode kernel, which reads
+the pages in place (``cpu_attention``); elsewhere to a few SDPA calls over gathered pages, one per
+group of similar context lengths so that short contexts are not padded to the longest.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from conveyor.model.cpu_attention import DecodeKernel
 
 
 @dataclass
@@ -29,7 +32,9 @@ class DecodeGroup:
     start: int                    # first single-token query of the group in the flat batch
     end: int
     block_tables: torch.Tensor    # [end - start, W] pages of each query's context (padded)
-    mask: torch.Tensor            # [end - start, 1, 1, W * block_size] True where a slot is real
+    context_lens: torch.Tensor    # [end - start] tokens each query attends to, its own included
+    mask: torch.Tensor | None     # [end - start, 1, 1, W * block_size] True where a slot is
+                                  # real; None when the decode kernel runs the group
 
 
 @dataclass
@@ -37,6 +42,7 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor    # [T] where each token's K/V is written
     decodes: list[DecodeGroup]
     prefills: list[PrefillChunk]
+    decode_kernel: DecodeKernel | None = None
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -51,6 +57,10 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     out = torch.empty_like(q)
     groups = q.shape[1] // kv_heads
     for g in meta.decodes:
+        if meta.decode_kernel is not None:
+            meta.decode_kernel(q[g.start:g.end], k_cache, v_cache, g.block_tables,
+                               g.context_lens, out[g.start:g.end])
+            continue
         # Whole pages are gathered (block-sized copies), and the query heads that share a KV head
         # are laid out as that head's "query positions", so GQA needs no repeated K/V.
         n = g.end - g.start

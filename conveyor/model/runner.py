@@ -9,6 +9,7 @@ from conveyor.engine.request import Request
 from conveyor.engine.scheduler import SchedulerOutput
 from conveyor.model.attention import AttentionMetadata, DecodeGroup, PrefillChunk
 from conveyor.model.config import ModelConfig
+from conveyor.model.cpu_attention import decode_kernel
 from conveyor.model.model import Transformer, can_prepack, rope_tables
 from conveyor.model.sampler import SampleResult, Sampler
 
@@ -58,6 +59,7 @@ class ModelRunner:
                           for _ in range(config.num_layers)]
         self.cos, self.sin = rope_tables(config, max_model_len, dtype, device)
         self.sampler = Sampler(config.vocab_size, device, seed)
+        self.decode_kernel = decode_kernel(device, dtype, config.head_dim)
 
     def _tensor(self, data: list[int]) -> torch.Tensor:
         return torch.tensor(data, dtype=torch.long, device=self.device)
@@ -69,7 +71,10 @@ class ModelRunner:
     def _prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor,
                                                        AttentionMetadata, list[int], list[Request]]:
         """Flat token ids, positions and attention metadata: decodes first, then chunks."""
-        decode_groups = group_decodes([r for r, n in out.scheduled if n == 1])
+        queries = [r for r, n in out.scheduled if n == 1]
+        # The kernel takes each context at its own length, so all decodes form one group.
+        decode_groups = (group_decodes(queries) if self.decode_kernel is None
+                         else [queries] if queries else [])
         decodes = [(r, 1) for group in decode_groups for r in group]
         chunks = [(r, n) for r, n in out.scheduled if n > 1]
         ids: list[int] = []
@@ -87,9 +92,12 @@ class ModelRunner:
             width = max(len(r.block_ids) for r in group)
             tables = self._tensor([r.block_ids + [0] * (width - len(r.block_ids)) for r in group])
             lens = self._tensor([r.num_computed_tokens + 1 for r in group])
-            mask = (torch.arange(width * bs, device=self.device).unsqueeze(0)
-                    < lens.unsqueeze(1))[:, None, None, :]
-            groups.append(DecodeGroup(offset, offset + len(group), tables, mask))
+            if self.decode_kernel is None:
+                mask = (torch.arange(width * bs, device=self.device).unsqueeze(0)
+                        < lens.unsqueeze(1))[:, None, None, :]
+            else:
+                tables, lens, mask = tables.int(), lens.int(), None
+            groups.append(DecodeGroup(offset, offset + len(group), tables, lens, mask))
             offset += len(group)
 
         prefills = []
@@ -111,7 +119,7 @@ class ModelRunner:
             if r.num_computed_tokens + n == r.num_tokens:
                 logits_rows.append(end - 1)
                 sampling.append(r)
-        meta = AttentionMetadata(self._tensor(slots), groups, prefills)
+        meta = AttentionMetadata(self._tensor(slots), groups, prefills, self.decode_kernel)
         return self._tensor(ids), self._tensor(positions), meta, logits_rows, sampling
 
     @torch.inference_mode()

@@ -1,0 +1,70 @@
+"""The CPU decode kernel against gather + SDPA (the fallback path) on random paged caches."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conveyor.model.attention import gather_pages
+from conveyor.model.cpu_attention import decode_kernel
+
+# Where a compiler exists the kernel must build: a broken build fails here instead of skipping.
+pytestmark = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
+                                reason="no C compiler")
+
+
+def reference(q, k_cache, v_cache, tables, lens):
+    n, heads, dim = q.shape
+    block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
+    width = tables.shape[1] * block_size
+    mask = (torch.arange(width)[None, :] < lens[:, None]).view(n, 1, 1, width)
+    k = gather_pages(k_cache, tables.long()).transpose(1, 2)
+    v = gather_pages(v_cache, tables.long()).transpose(1, 2)
+    o = F.scaled_dot_product_attention(q.view(n, kv_heads, heads // kv_heads, dim).float(),
+                                       k.float(), v.float(), attn_mask=mask)
+    return o.reshape(n, heads, dim)
+
+
+@pytest.mark.parametrize("heads,kv_heads,dim,block_size", [
+    (9, 3, 64, 16),    # SmolLM2-135M
+    (32, 8, 128, 16),  # Llama-3 / Mistral shapes
+    (4, 4, 64, 8),     # no GQA, small pages
+    (14, 2, 64, 32),   # Qwen2.5-0.5B's group of 7
+])
+def test_kernel_matches_sdpa(heads, kv_heads, dim, block_size):
+    kernel = decode_kernel(torch.device("cpu"), torch.bfloat16, dim)
+    assert kernel is not None, "the decode kernel did not build (see the warning above)"
+    gen = torch.Generator().manual_seed(dim + heads)
+    num_blocks = 64
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, dim, generator=gen).bfloat16()
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, dim, generator=gen).bfloat16()
+    # Contexts of one token, a page exactly, a page and one, and longer ones in shuffled pages.
+    lens = torch.tensor([1, block_size, block_size + 1, 3 * block_size - 5, 5 * block_size + 7,
+                         2], dtype=torch.int32)
+    width = int((lens.max() + block_size - 1) // block_size)
+    tables = torch.randperm(num_blocks, generator=gen)[:len(lens) * width].view(len(lens), width)
+    tables = tables.to(torch.int32)
+    # q as the model hands it over: the query heads of a wider q/k row (a strided view).
+    qk = torch.randn(len(lens), heads + kv_heads, dim, generator=gen).bfloat16()
+    q = qk[:, :heads]
+    out = torch.full((len(lens), heads, dim), float("nan"), dtype=torch.bfloat16)
+
+    kernel(q, k_cache, v_cache, tables, lens, out)
+
+    expected = reference(q, k_cache, v_cache, tables, lens)
+    # Both accumulate in float32; they differ by summation order and the final bf16 rounding.
+    torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=1e-2)
+    # One token attends only to itself: the output is that token's V row, exactly.
+    page, head_of = int(tables[0, 0]), torch.arange(heads) // (heads // kv_heads)
+    assert torch.equal(out[0], v_cache[page, 0, head_of])
+
+
+def test_kernel_only_where_it_applies(monkeypatch):
+    cpu = torch.device("cpu")
+    assert decode_kernel(cpu, torch.float32, 64) is None
+    assert decode_kernel(cpu, torch.bfloat16, 96) is None
+    monkeypatch.setenv("CONVEYOR_ATTENTION", "sdpa")
+    assert decode_kernel(cpu, torch.bfloat16, 64) is None
