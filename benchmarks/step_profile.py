@@ -85,6 +85,8 @@ def main() -> None:
     p.add_argument("--context", type=int, default=256, help="prompt tokens per request")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--torch-profile", type=int, default=0, metavar="ROWS",
+                   help="also print torch.profiler's top ROWS ops by self CPU time (5 steps)")
     args = p.parse_args()
     engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, max_num_seqs=args.batch,
                                     max_num_batched_tokens=max(2048, args.batch),
@@ -111,7 +113,7 @@ def main() -> None:
     for mod in model.layers.modules():
         if isinstance(mod, torch.nn.Linear):
             clock(mod, "forward", spent, "linears (layers)")
-    clock(model_module, "paged_attention", spent, "attention (write KV, gather, SDPA)")
+    clock(model_module, "paged_attention", spent, "attention (write KV, attend)")
     forward_spent: dict[str, float] = defaultdict(float)
     clock(model, "forward", forward_spent, "network")
 
@@ -123,7 +125,7 @@ def main() -> None:
     step = sum(totals)
     spent["network: norms, rope, residuals, the rest"] = (
         forward_spent["network"] - spent["linears (layers)"]
-        - spent["attention (write KV, gather, SDPA)"])
+        - spent["attention (write KV, attend)"])
     spent["engine bookkeeping (advance, detokenize, outputs)"] = step - sum(
         spent[k] for k in ("schedule", "prepare inputs", "logits (lm_head)", "sample")) \
         - forward_spent["network"]
@@ -142,6 +144,12 @@ def main() -> None:
     print(f"linear FLOPs per step {rates['gflop']:.1f} GFLOP; the model's linears alone at "
           f"M={args.batch}: {alone} GFLOP/s; the whole step: {achieved:.0f} GFLOP/s = "
           f"{achieved / best:.0%} of the best linear rate")
+    if args.torch_profile:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            for _ in range(5):
+                engine.step()
+        print(prof.key_averages().table(sort_by="self_cpu_time_total",
+                                        row_limit=args.torch_profile))
 
 
 if __name__ == "__main__":

@@ -94,8 +94,10 @@ class DecodeKernel:
                       block_tables.data_ptr(), block_tables.stride(0), context_lens.data_ptr(),
                       out.data_ptr(), out.stride(0), n, num_heads, kv_heads, dim, block_size,
                       dim ** -0.5, torch.get_num_threads())
-        if rc != 0:
+        if rc == -1:
             raise ValueError(f"paged_decode_attention: head_dim {dim} not in {HEAD_DIMS}")
+        if rc != 0:
+            raise MemoryError("paged_decode_attention: no memory for its scratch buffers")
 
 
 @functools.cache

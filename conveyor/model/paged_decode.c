@@ -1,8 +1,8 @@
 /* Decode attention straight from the paged KV cache, for the CPU, in bfloat16.
  *
- * One query token per request. Each (request, KV head) pair reads its pages once, in place:
- * no gather into a contiguous copy, no padding to the batch's longest context, and the query
- * heads that share a KV head are served by the same read. Scores and the weighted sum of values
+ * One query token per request. Each request's pages are read once, in place: no gather into a
+ * contiguous copy, no padding to the batch's longest context, and the query heads that share a
+ * KV head are served by the same read. Scores and the weighted sum of values
  * are kept in float32, as PyTorch's SDPA does for bfloat16 inputs.
  *
  * Plain C that GCC vectorises (-O3 -march=native); OpenMP shares the work out on the runtime
@@ -105,8 +105,8 @@ static inline void attend(const uint16_t *q, const uint16_t *k_cache, const uint
 /* q: row i, head j at q[i * q_stride + j * head_dim]; caches: [num_blocks, block_size,
  * num_kv_heads, head_dim]; block_tables: [n, table_stride] int32; context_lens: [n] int32
  * (tokens to attend to, the new one included, its K/V already written); out like q.
- * threads: PyTorch's intra-op thread count. Returns 0, or -1 for a head_dim without a
- * specialisation. */
+ * threads: PyTorch's intra-op thread count. Returns 0; -1 for a head_dim without a
+ * specialisation; -2 if scratch memory could not be allocated. */
 int paged_decode_attention(const uint16_t *q, int64_t q_stride,
                            const uint16_t *k_cache, const uint16_t *v_cache,
                            const int32_t *block_tables, int64_t table_stride,
@@ -120,12 +120,18 @@ int paged_decode_attention(const uint16_t *q, int64_t q_stride,
      * them to go round the threads; with few requests, one head per item instead. */
     const int split = n >= 2 * threads ? 1 : num_kv_heads;
     const int per = num_kv_heads / split;
+    int failed = 0;
 
     #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
     for (int item = 0; item < n * split; item++) {
         const int i = item / split, h = item % split * per;
         const int len = context_lens[i];
         float *buf = malloc(sizeof(float) * ((size_t)per * group * (2 * head_dim + len)));
+        if (buf == NULL) {
+            #pragma omp atomic write
+            failed = 1;
+            continue;
+        }
         const int64_t qoff = (int64_t)h * group * head_dim, kvoff = (int64_t)h * head_dim;
         const int32_t *table = block_tables + (int64_t)i * table_stride;
         const uint16_t *qi = q + i * q_stride + qoff;
@@ -138,5 +144,5 @@ int paged_decode_attention(const uint16_t *q, int64_t q_stride,
                    block_size, scale, buf);
         free(buf);
     }
-    return 0;
+    return failed ? -2 : 0;
 }
