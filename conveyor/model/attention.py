@@ -3,7 +3,7 @@
 The runner lays a step's tokens out as all single-token queries first (decodes) and then one run
 per multi-token chunk (prefills, one SDPA call each: there are few per step, bounded by the token
 budget). Decodes go, on the CPU in bfloat16, to one call of the paged decode kernel, which reads
-the pages in place (``cpu_attention``); elsewhere to a few SDPA calls over gathered pages, one per
+the pages in place (``cpu_kernels``); elsewhere to a few SDPA calls over gathered pages, one per
 group of similar context lengths so that short contexts are not padded to the longest.
 """
 
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from conveyor.model.cpu_attention import DecodeKernel
+from conveyor.model.cpu_kernels import DecodeKernel
 
 
 @dataclass

@@ -14,6 +14,7 @@ from torch import nn
 
 from conveyor.model.attention import AttentionMetadata, paged_attention
 from conveyor.model.config import ModelConfig
+from conveyor.model.cpu_kernels import AddRMSNorm
 
 
 class Linear(nn.Linear):
@@ -23,6 +24,12 @@ class Linear(nn.Linear):
     (1-64) and gives the same bits as ``F.linear`` (checked in tests/test_model_layers.py)."""
 
     packed: torch.Tensor | None = None
+
+    def use_add_rms_norm(self, kernel: AddRMSNorm) -> None:
+        """Run the residual-stream norms (not Qwen3's per-head q/k norms) with the CPU kernel."""
+        for layer in self.layers:
+            layer.attention_norm.fused = layer.ffn_norm.fused = kernel
+        self.norm.fused = kernel
 
     def prepack(self) -> None:
         self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 64)
@@ -39,12 +46,26 @@ def can_prepack(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 class RMSNorm(nn.Module):
+    """Given a residual, normalises ``residual + x`` and returns that sum too (the next residual),
+    as vLLM's fused add-norm does; the CPU kernel, when attached, does both in one call."""
+
+    fused: AddRMSNorm | None = None
+
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if self.fused is not None:
+            out = self.fused(x, residual, self.weight, self.eps)  # updates residual in place
+            return out if residual is None else (out, residual)
+        if residual is None:
+            return self._norm(x)
+        residual = residual + x
+        return self._norm(residual), residual
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
         # Normalise in float32 and scale in the model dtype, exactly as transformers does.
         # (F.rms_norm is that formula in one kernel: the same bits, fewer ops.)
         h = F.rms_norm(x.float(), self.weight.shape, eps=self.eps)
@@ -139,9 +160,16 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.feed_forward = FeedForward(config)
 
-    def forward(self, x, cos, sin, kv_cache, meta):
-        h = x + self.attention(self.attention_norm(x), cos, sin, kv_cache, meta)
-        return h + self.feed_forward(self.ffn_norm(h))
+    def forward(self, h, residual, cos, sin, kv_cache, meta):
+        """h: the previous block's output, residual: the stream before it (None at the first
+        block, where h is the embeddings). Returns this block's output and the stream before it:
+        the same sums as ``h = x + attn(norm(x)); h + ffn(norm(h))``, fusable with the norms."""
+        if residual is None:
+            x, residual = self.attention_norm(h), h
+        else:
+            x, residual = self.attention_norm(h, residual)
+        x, residual = self.ffn_norm(self.attention(x, cos, sin, kv_cache, meta), residual)
+        return self.feed_forward(x), residual
 
 
 class Transformer(nn.Module):
@@ -159,10 +187,10 @@ class Transformer(nn.Module):
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                 meta: AttentionMetadata) -> torch.Tensor:
         """input_ids: [T]; cos/sin: [T, 1, head_dim] for each token's position. Returns [T, D]."""
-        h = self.tok_embeddings(input_ids)
+        h, residual = self.tok_embeddings(input_ids), None
         for layer, kv_cache in zip(self.layers, kv_caches):
-            h = layer(h, cos, sin, kv_cache, meta)
-        return self.norm(h)
+            h, residual = layer(h, residual, cos, sin, kv_cache, meta)
+        return self.norm(h, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.output is not None:
@@ -171,6 +199,12 @@ class Transformer(nn.Module):
             return torch.ops.mkldnn._linear_pointwise(hidden, self.packed_head, None, "none", [],
                                                       "").float()
         return F.linear(hidden, self.tok_embeddings.weight).float()
+
+    def use_add_rms_norm(self, kernel: AddRMSNorm) -> None:
+        """Run the residual-stream norms (not Qwen3's per-head q/k norms) with the CPU kernel."""
+        for layer in self.layers:
+            layer.attention_norm.fused = layer.ffn_norm.fused = kernel
+        self.norm.fused = kernel
 
     def prepack(self) -> None:
         """Reorder every linear weight for oneDNN (see ``Linear``); call after loading."""

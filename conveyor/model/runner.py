@@ -9,7 +9,7 @@ from conveyor.engine.request import Request
 from conveyor.engine.scheduler import SchedulerOutput
 from conveyor.model.attention import AttentionMetadata, DecodeGroup, PrefillChunk
 from conveyor.model.config import ModelConfig
-from conveyor.model.cpu_attention import decode_kernel
+from conveyor.model.cpu_kernels import cpu_kernels
 from conveyor.model.model import Transformer, can_prepack, rope_tables
 from conveyor.model.sampler import SampleResult, Sampler
 
@@ -59,7 +59,10 @@ class ModelRunner:
                           for _ in range(config.num_layers)]
         self.cos, self.sin = rope_tables(config, max_model_len, dtype, device)
         self.sampler = Sampler(config.vocab_size, device, seed)
-        self.decode_kernel = decode_kernel(device, dtype, config.head_dim)
+        kernels = cpu_kernels(device, dtype, config.head_dim)
+        self.decode_kernel = kernels.decode_attention if kernels is not None else None
+        if kernels is not None:
+            self.model.use_add_rms_norm(kernels.add_rms_norm)
 
     def _tensor(self, data: list[int]) -> torch.Tensor:
         return torch.tensor(data, dtype=torch.long, device=self.device)

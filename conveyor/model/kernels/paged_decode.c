@@ -14,20 +14,7 @@
 #include <math.h>
 #include <float.h>
 
-static inline float bf16_load(uint16_t x) {
-    uint32_t u = (uint32_t)x << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-static inline uint16_t bf16_store(float f) {  /* round to nearest even, as PyTorch does */
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);  /* quiet NaN */
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
+#include "bf16.h"
 
 /* Pages of a context lie anywhere in the pool, so the hardware prefetcher cannot see the next
  * one coming: fetch the span this work item reads from it one page ahead. */

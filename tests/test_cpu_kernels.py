@@ -1,4 +1,5 @@
-"""The CPU decode kernel against gather + SDPA (the fallback path) on random paged caches."""
+"""The CPU kernels against the plain PyTorch path they replace: the decode kernel against
+gather + SDPA on random paged caches, the fused add + RMSNorm against RMSNorm's own formula."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import torch
 import torch.nn.functional as F
 
 from conveyor.model.attention import gather_pages
-from conveyor.model.cpu_attention import decode_kernel
+from conveyor.model.cpu_kernels import cpu_kernels
+from conveyor.model.model import RMSNorm
 
 # Where a compiler exists the kernel must build: a broken build fails here instead of skipping.
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
@@ -35,8 +37,9 @@ def reference(q, k_cache, v_cache, tables, lens):
     (14, 2, 64, 32),   # Qwen2.5-0.5B's group of 7
 ])
 def test_kernel_matches_sdpa(heads, kv_heads, dim, block_size):
-    kernel = decode_kernel(torch.device("cpu"), torch.bfloat16, dim)
-    assert kernel is not None, "the decode kernel did not build (see the warning above)"
+    kernels = cpu_kernels(torch.device("cpu"), torch.bfloat16, dim)
+    assert kernels is not None, "the CPU kernels did not build (see the warning above)"
+    kernel = kernels.decode_attention
     gen = torch.Generator().manual_seed(dim + heads)
     num_blocks = 64
     k_cache = torch.randn(num_blocks, block_size, kv_heads, dim, generator=gen).bfloat16()
@@ -62,9 +65,41 @@ def test_kernel_matches_sdpa(heads, kv_heads, dim, block_size):
     assert torch.equal(out[0], v_cache[page, 0, head_of])
 
 
+@pytest.mark.parametrize("rows", [1, 3, 64])
+@pytest.mark.parametrize("with_residual", [True, False])
+def test_add_rms_norm_matches_rmsnorm(rows, with_residual):
+    kernels = cpu_kernels(torch.device("cpu"), torch.bfloat16, 64)
+    assert kernels is not None, "the CPU kernels did not build (see the warning above)"
+    gen = torch.Generator().manual_seed(rows)
+    plain = RMSNorm(576, 1e-5).bfloat16()
+    with torch.no_grad():
+        plain.weight.copy_(torch.rand(576, generator=gen) * 2)
+    wide = (torch.randn(rows, 2 * 576, generator=gen) * 3).bfloat16()
+    x = wide[:, 576:]  # a strided view, as a slice of a wider activation would be
+    residual = (torch.randn(rows, 576, generator=gen) * 3).bfloat16() if with_residual else None
+
+    if with_residual:
+        want, want_residual = plain(x, residual.clone())
+    else:
+        want = plain(x)
+    fused = RMSNorm(576, 1e-5).bfloat16()
+    fused.load_state_dict(plain.state_dict())
+    fused.fused = kernels.add_rms_norm
+    if with_residual:
+        got, got_residual = fused(x, residual)
+        assert got_residual is residual and torch.equal(residual, want_residual)
+    else:
+        got = fused(x)
+    # Only the float32 sum of squares is ordered differently: at most one bfloat16 step apart,
+    # and on few elements.
+    differ = got != want
+    assert differ.float().mean() < 0.02
+    torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -7, atol=0)
+
+
 def test_kernel_only_where_it_applies(monkeypatch):
     cpu = torch.device("cpu")
-    assert decode_kernel(cpu, torch.float32, 64) is None
-    assert decode_kernel(cpu, torch.bfloat16, 96) is None
-    monkeypatch.setenv("CONVEYOR_ATTENTION", "sdpa")
-    assert decode_kernel(cpu, torch.bfloat16, 64) is None
+    assert cpu_kernels(cpu, torch.float32, 64) is None
+    assert cpu_kernels(cpu, torch.bfloat16, 96) is None
+    monkeypatch.setenv("CONVEYOR_CPU_KERNELS", "off")
+    assert cpu_kernels(cpu, torch.bfloat16, 64) is None

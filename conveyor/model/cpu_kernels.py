@@ -1,0 +1,168 @@
+"""Small C kernels for the bfloat16 CPU path (``kernels/*.c``): built once into one library with
+the system C compiler, cached, and called through ctypes.
+
+- ``paged_decode.c``: decode attention. Gathering a batch's pages into contiguous K/V and then
+  running SDPA reads the cache three times and pads every context to the longest; the kernel
+  reads each page once, in place.
+- ``rms_norm.c``: residual add + RMSNorm in one call instead of ~10 small PyTorch ops.
+
+They are used for bfloat16 on the CPU when a compiler is there; otherwise (or with
+``CONVEYOR_CPU_KERNELS=off``) the model runs the plain PyTorch path (gather + SDPA, F.rms_norm),
+which gives the same tokens up to bfloat16 rounding.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger("conveyor")
+
+KERNELS = Path(__file__).with_name("kernels")
+SOURCES = ("paged_decode.c", "rms_norm.c")
+HEAD_DIMS = (64, 128)  # the specialisations paged_decode.c compiles
+# Fast math lets GCC vectorise the dot products and exp; it is not passed when linking, so the
+# library does not switch the whole process to flush-to-zero.
+COMPILE_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC"]
+LINK_FLAGS = ["-shared", "-fopenmp"]
+
+
+def _cpu_signature() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(root) / "conveyor" / "kernels"
+
+
+def _build(compiler: str) -> Path:
+    """The compiled library, built if these sources, compiler and CPU have none in the cache."""
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True,
+                             check=True).stdout
+    texts = [(KERNELS / name).read_text() for name in (*SOURCES, "bf16.h")]
+    key = hashlib.sha256("\0".join([*texts, " ".join(COMPILE_FLAGS + LINK_FLAGS), version,
+                                    _cpu_signature()]).encode()).hexdigest()[:16]
+    target = _cache_dir() / f"conveyor-kernels-{key}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        objects = [str(Path(tmp) / f"{Path(name).stem}.o") for name in SOURCES]
+        lib = Path(tmp) / "kernels.so"
+        for name, obj in zip(SOURCES, objects):
+            subprocess.run([compiler, *COMPILE_FLAGS, "-c", str(KERNELS / name), "-o", obj],
+                           capture_output=True, text=True, check=True)
+        subprocess.run([compiler, *LINK_FLAGS, *objects, "-o", str(lib), "-lm"],
+                       capture_output=True, text=True, check=True)
+        os.replace(lib, target)  # atomic: a concurrent build of the same key is harmless
+    return target
+
+
+class DecodeKernel:
+    """``paged_decode_attention`` bound through ctypes; ``__call__`` checks what C assumes."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        fn = lib.paged_decode_attention
+        p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+        fn.argtypes = [p, i64, p, p, p, i64, p, p, i64, i32, i32, i32, i32, i32, ctypes.c_float,
+                       i32]
+        fn.restype = i32
+        self._fn = fn
+
+    def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 block_tables: torch.Tensor, context_lens: torch.Tensor,
+                 out: torch.Tensor) -> None:
+        """q, out: [n, H, D] (rows may be strided, heads packed); caches: [blocks, block_size,
+        KVH, D], contiguous; block_tables: [n, W] int32; context_lens: [n] int32."""
+        n, num_heads, dim = q.shape
+        _, block_size, kv_heads, _ = k_cache.shape
+        assert q.dtype == out.dtype == k_cache.dtype == v_cache.dtype == torch.bfloat16
+        assert block_tables.dtype == context_lens.dtype == torch.int32
+        assert k_cache.is_contiguous() and v_cache.is_contiguous()
+        assert block_tables.stride(1) == 1 and context_lens.is_contiguous()
+        for t in (q, out):
+            assert t.stride(2) == 1 and t.stride(1) == dim
+        rc = self._fn(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
+                      block_tables.data_ptr(), block_tables.stride(0), context_lens.data_ptr(),
+                      out.data_ptr(), out.stride(0), n, num_heads, kv_heads, dim, block_size,
+                      dim ** -0.5, torch.get_num_threads())
+        if rc == -1:
+            raise ValueError(f"paged_decode_attention: head_dim {dim} not in {HEAD_DIMS}")
+        if rc != 0:
+            raise MemoryError("paged_decode_attention: no memory for its scratch buffers")
+
+
+class AddRMSNorm:
+    """``add_rms_norm`` bound through ctypes: ``residual += x`` (if given), then RMSNorm."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        fn = lib.add_rms_norm
+        p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+        fn.argtypes = [p, i64, p, p, p, i64, i32, i32, ctypes.c_float, i32]
+        fn.restype = None
+        self._fn = fn
+
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                 eps: float) -> torch.Tensor:
+        """x: [rows, dim] bfloat16 (rows may be strided); residual: [rows, dim], contiguous,
+        updated in place; weight: [dim]. Returns the normalised rows, new and contiguous."""
+        rows, dim = x.shape
+        assert x.dtype == weight.dtype == torch.bfloat16 and x.stride(1) == 1
+        assert weight.is_contiguous() and weight.shape == (dim,)
+        if residual is not None:
+            assert residual.dtype == torch.bfloat16 and residual.is_contiguous()
+            assert residual.shape == x.shape
+        out = torch.empty(rows, dim, dtype=x.dtype)
+        self._fn(x.data_ptr(), x.stride(0), None if residual is None else residual.data_ptr(),
+                 weight.data_ptr(), out.data_ptr(), out.stride(0), rows, dim, eps,
+                 torch.get_num_threads())
+        return out
+
+
+@dataclass
+class CPUKernels:
+    decode_attention: DecodeKernel
+    add_rms_norm: AddRMSNorm
+
+
+@functools.cache
+def _load() -> CPUKernels | None:
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        logger.warning("no C compiler found: the CPU kernels are off, the model runs plain "
+                       "PyTorch (slower)")
+        return None
+    try:
+        lib = ctypes.CDLL(str(_build(compiler)))
+    except (OSError, subprocess.CalledProcessError) as e:
+        detail = (getattr(e, "stderr", "") or str(e)).strip()
+        logger.warning("could not build the CPU kernels, running plain PyTorch: %s",
+                       detail.splitlines()[-1] if detail else e)
+        return None
+    return CPUKernels(DecodeKernel(lib), AddRMSNorm(lib))
+
+
+def cpu_kernels(device: torch.device, dtype: torch.dtype, head_dim: int) -> CPUKernels | None:
+    """The kernels when they apply here (CPU, bfloat16, a specialised head_dim) and build."""
+    if (device.type != "cpu" or dtype != torch.bfloat16 or head_dim not in HEAD_DIMS
+            or os.environ.get("CONVEYOR_CPU_KERNELS", "").lower() == "off"):
+        return None
+    return _load()
