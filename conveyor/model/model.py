@@ -25,12 +25,6 @@ class Linear(nn.Linear):
 
     packed: torch.Tensor | None = None
 
-    def use_add_rms_norm(self, kernel: AddRMSNorm) -> None:
-        """Run the residual-stream norms (not Qwen3's per-head q/k norms) with the CPU kernel."""
-        for layer in self.layers:
-            layer.attention_norm.fused = layer.ffn_norm.fused = kernel
-        self.norm.fused = kernel
-
     def prepack(self) -> None:
         self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 64)
 

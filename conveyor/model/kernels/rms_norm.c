@@ -34,7 +34,6 @@ void add_rms_norm(const uint16_t *x, int64_t x_stride, uint16_t *residual,
         for (int d = 0; d < dim; d++) squares += h[d] * h[d];
         const float inv = 1.0f / sqrtf(squares / dim + eps);
         for (int d = 0; d < dim; d++)
-            oi[d] = bf16_store(bf16_load(weight[d])
-                                  * bf16_load(bf16_store(h[d] * inv)));
+            oi[d] = bf16_store(bf16_load(weight[d]) * bf16_load(bf16_store(h[d] * inv)));
     }
 }
