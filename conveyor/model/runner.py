@@ -64,8 +64,8 @@ class ModelRunner:
         if kernels is not None:
             self.model.use_add_rms_norm(kernels.add_rms_norm)
 
-    def _tensor(self, data: list[int]) -> torch.Tensor:
-        return torch.tensor(data, dtype=torch.long, device=self.device)
+    def _tensor(self, data: list, dtype: torch.dtype = torch.long) -> torch.Tensor:
+        return torch.tensor(data, dtype=dtype, device=self.device)
 
     def _slots(self, request: Request, start: int, end: int) -> list[int]:
         bs, table = self.block_size, request.block_ids
@@ -93,13 +93,13 @@ class ModelRunner:
         groups, offset = [], 0
         for group in decode_groups:
             width = max(len(r.block_ids) for r in group)
-            tables = self._tensor([r.block_ids + [0] * (width - len(r.block_ids)) for r in group])
-            lens = self._tensor([r.num_computed_tokens + 1 for r in group])
-            if self.decode_kernel is None:
-                mask = (torch.arange(width * bs, device=self.device).unsqueeze(0)
-                        < lens.unsqueeze(1))[:, None, None, :]
-            else:
-                tables, lens, mask = tables.int(), lens.int(), None
+            # int32, as the kernel reads them (index_select and the mask take int32 too)
+            tables = self._tensor([r.block_ids + [0] * (width - len(r.block_ids)) for r in group],
+                                  torch.int32)
+            lens = self._tensor([r.num_computed_tokens + 1 for r in group], torch.int32)
+            mask = None if self.decode_kernel is not None else (
+                torch.arange(width * bs, device=self.device).unsqueeze(0)
+                < lens.unsqueeze(1))[:, None, None, :]
             groups.append(DecodeGroup(offset, offset + len(group), tables, lens, mask))
             offset += len(group)
 

@@ -16,11 +16,20 @@
 
 #include "bf16.h"
 
-/* Pages of a context lie anywhere in the pool, so the hardware prefetcher cannot see the next
- * one coming: fetch the span this work item reads from it one page ahead. */
-static inline void prefetch_page(const uint16_t *page, int rows, int64_t row, int span) {
-    for (int r = 0; r < rows; r++)
-        for (int d = 0; d < span; d += 32) __builtin_prefetch(page + r * row + d, 0, 2);
+/* Page p of a context (tokens t0 = p * block_size onward) in a cache: its first row, and in
+ * *rows how many of its rows the context fills. Pages lie anywhere in the pool, so the hardware
+ * prefetcher cannot see the next one coming: the span this work item reads from it is fetched
+ * one page ahead. */
+static inline const uint16_t *page_at(const uint16_t *cache, const int32_t *table, int p, int len,
+                                      int block_size, int64_t row, int span, int *rows) {
+    const int t0 = p * block_size;
+    *rows = len - t0 < block_size ? len - t0 : block_size;
+    if (t0 + block_size < len) {
+        const uint16_t *next = cache + (int64_t)table[p + 1] * block_size * row;
+        for (int r = 0; r < block_size; r++)
+            for (int d = 0; d < span; d += 32) __builtin_prefetch(next + r * row + d, 0, 2);
+    }
+    return cache + (int64_t)table[p] * block_size * row;
 }
 
 /* One request and `heads` consecutive KV heads (whose slices of a cached token are adjacent, so
@@ -37,11 +46,8 @@ static inline void attend(const uint16_t *q, const uint16_t *k_cache, const uint
 
     float top[nq];
     for (int j = 0; j < nq; j++) top[j] = -FLT_MAX;
-    for (int t0 = 0, p = 0; t0 < len; t0 += block_size, p++) {
-        const uint16_t *page = k_cache + (int64_t)table[p] * block_size * row;
-        const int rows = len - t0 < block_size ? len - t0 : block_size;
-        if (t0 + block_size < len)
-            prefetch_page(k_cache + (int64_t)table[p + 1] * block_size * row, block_size, row, span);
+    for (int t0 = 0, p = 0, rows; t0 < len; t0 += block_size, p++) {
+        const uint16_t *page = page_at(k_cache, table, p, len, block_size, row, span, &rows);
         for (int r = 0; r < rows; r++) {
             for (int hh = 0, j = 0; hh < heads; hh++) {
                 float kf[head_dim];
@@ -68,11 +74,8 @@ static inline void attend(const uint16_t *q, const uint16_t *k_cache, const uint
     }
 
     memset(acc, 0, sizeof(float) * (size_t)nq * head_dim);
-    for (int t0 = 0, p = 0; t0 < len; t0 += block_size, p++) {
-        const uint16_t *page = v_cache + (int64_t)table[p] * block_size * row;
-        const int rows = len - t0 < block_size ? len - t0 : block_size;
-        if (t0 + block_size < len)
-            prefetch_page(v_cache + (int64_t)table[p + 1] * block_size * row, block_size, row, span);
+    for (int t0 = 0, p = 0, rows; t0 < len; t0 += block_size, p++) {
+        const uint16_t *page = page_at(v_cache, table, p, len, block_size, row, span, &rows);
         for (int r = 0; r < rows; r++) {
             for (int hh = 0, j = 0; hh < heads; hh++) {
                 float vf[head_dim];
