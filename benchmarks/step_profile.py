@@ -26,6 +26,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from conveyor.config import EngineConfig  # noqa: E402
 from conveyor.engine.engine import LLMEngine  # noqa: E402
 from conveyor.model import model as model_module  # noqa: E402
+from conveyor.model.cpu_kernels import QuantLinear  # noqa: E402
 from conveyor.model.model import can_prepack  # noqa: E402
 from conveyor.sampling_params import SamplingParams  # noqa: E402
 
@@ -54,8 +55,10 @@ def clock(obj, name: str, spent: dict[str, float], label: str) -> None:
 
 def linear_rate(model, m: int, dtype: torch.dtype, repeats: int = 20) -> dict[str, float]:
     """GFLOP in one pass of the model's linears at M=m, and their GFLOP/s run alone, plain
-    (``F.linear``) and prepacked for oneDNN."""
-    weights = [mod.weight for mod in model.layers.modules() if isinstance(mod, torch.nn.Linear)]
+    (``F.linear``), prepacked for oneDNN and, where the model reads GGUF blocks at this M, with
+    its layers' linears read from those blocks."""
+    layers = [mod for mod in model.layers.modules() if isinstance(mod, torch.nn.Linear)]
+    weights = [mod.weight for mod in layers]
     weights.append(model.tok_embeddings.weight if model.output is None else model.output.weight)
     flop = sum(2 * m * w.shape[0] * w.shape[1] for w in weights)
     xs = {w.shape[1]: torch.randn(m, w.shape[1], dtype=dtype) for w in weights}
@@ -64,6 +67,9 @@ def linear_rate(model, m: int, dtype: torch.dtype, repeats: int = 20) -> dict[st
         packed = [torch.ops.mkldnn._reorder_linear_weight(w.detach(), 64) for w in weights]
         calls["prepacked"] = [lambda x, p=p: torch.ops.mkldnn._linear_pointwise(
             x, p, None, "none", [], "") for p in packed]
+        if any(mod.quant_linear is not None and m <= mod.quant_linear.max_rows
+               for mod in layers):
+            calls["GGUF blocks"] = [mod.forward for mod in layers] + calls["prepacked"][-1:]
     rates = {"gflop": flop / 1e9}
     with torch.inference_mode():
         for name, fns in calls.items():
@@ -87,11 +93,16 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--torch-profile", type=int, default=0, metavar="ROWS",
                    help="also print torch.profiler's top ROWS ops by self CPU time (5 steps)")
+    p.add_argument("--quant-linear-rows", type=int, default=None, metavar="N",
+                   help="read linears from the GGUF's blocks up to N rows (0: never; default: "
+                        f"{QuantLinear.max_rows})")
     args = p.parse_args()
+    if args.quant_linear_rows is not None:
+        QuantLinear.max_rows = args.quant_linear_rows
     engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, max_num_seqs=args.batch,
                                     max_num_batched_tokens=max(2048, args.batch),
                                     enable_prefix_caching=False, threads=args.threads,
-                                    num_kv_blocks=args.batch * (args.context // 16 + 8),
+                                    num_kv_blocks=args.batch * (-(-args.context // 16) + 8),
                                     max_model_len=args.context + 16 * 8))
     vocab = engine.model_config.vocab_size
     gen = torch.Generator().manual_seed(0)

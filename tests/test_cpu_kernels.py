@@ -1,17 +1,22 @@
 """The CPU kernels against the plain PyTorch path they replace: the decode kernel against
-gather + SDPA on random paged caches, the fused add + RMSNorm against RMSNorm's own formula."""
+gather + SDPA on random paged caches, the fused add + RMSNorm against RMSNorm's own formula, the
+GGUF-block linear against ``F.linear`` on the loader's bfloat16 weights."""
 
 from __future__ import annotations
 
 import shutil
+from unittest import mock
 
+import gguf
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
 from conveyor.model.attention import gather_pages
 from conveyor.model.cpu_kernels import cpu_kernels
-from conveyor.model.model import RMSNorm
+from conveyor.model.gguf_file import QuantizedWeight
+from conveyor.model.model import Linear, RMSNorm
 
 # Where a compiler exists the kernel must build: a broken build fails here instead of skipping.
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
@@ -103,3 +108,66 @@ def test_kernel_only_where_it_applies(monkeypatch):
     assert cpu_kernels(cpu, torch.bfloat16, 96) is None
     monkeypatch.setenv("CONVEYOR_CPU_KERNELS", "off")
     assert cpu_kernels(cpu, torch.bfloat16, 64) is None
+
+
+def quant_kernel():
+    kernels = cpu_kernels(torch.device("cpu"), torch.bfloat16, 64)
+    assert kernels is not None, "the CPU kernels did not build (see the warning above)"
+    if kernels.quant_linear is None:
+        pytest.skip("this CPU lacks AVX-512 BF16: the model keeps its bfloat16 linears")
+    return kernels.quant_linear
+
+
+@pytest.mark.parametrize("qtype", [gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q4_1,
+                                   gguf.GGMLQuantizationType.Q8_0])
+def test_quant_linear_reads_the_loaders_bf16_weights(qtype):
+    kernel = quant_kernel()
+    gen = np.random.default_rng(int(qtype))
+    n, k = 96, 160
+    # Scales spanning several binades, so the float32 d * q + m often needs rounding.
+    w = (gen.standard_normal((n, k)) * np.exp(gen.uniform(-4, 2, (n, 1)))).astype(np.float32)
+    blocks = gguf.quants.quantize(w, qtype)
+    weight = QuantizedWeight(int(qtype), torch.from_numpy(blocks))
+    # What the loader makes of these blocks (numpy dequantization, then bfloat16).
+    expected = torch.from_numpy(gguf.quants.dequantize(blocks, qtype).reshape(n, k)).bfloat16()
+
+    # One-hot rows read single weights out: equal bit for bit, up to 8 rows a call.
+    for start in range(0, k, 8):
+        rows = min(8, k - start)
+        x = torch.zeros(rows, k, dtype=torch.bfloat16)
+        x[torch.arange(rows), start + torch.arange(rows)] = 1
+        assert torch.equal(kernel(x, weight), expected[:, start:start + rows].T)
+
+    # Random rows (strided, as a slice of a wider activation) and a bias: F.linear's result up
+    # to the order of the float32 sum.
+    wide = torch.randn(5, k + 32, dtype=torch.bfloat16)
+    x = wide[:, 16:16 + k]
+    bias = torch.randn(n, dtype=torch.bfloat16)
+    for rows in (1, 2, 5):
+        got = kernel(x[:rows], weight, bias).float()
+        want = F.linear(x[:rows].float(), expected.float(), bias.float())
+        torch.testing.assert_close(got, want, rtol=2 ** -7, atol=1e-2)
+    with pytest.raises(ValueError):
+        kernel(torch.randn(9, k, dtype=torch.bfloat16), weight)
+
+
+def test_linear_reads_blocks_only_for_a_few_rows():
+    kernel = quant_kernel()
+    qtype = gguf.GGMLQuantizationType.Q4_1
+    w = np.random.default_rng(0).standard_normal((64, 128)).astype(np.float32)
+    blocks = gguf.quants.quantize(w, qtype)
+    linear = Linear(128, 64, bias=False).bfloat16()
+    with torch.no_grad():
+        linear.weight.copy_(torch.from_numpy(gguf.quants.dequantize(blocks, qtype)))
+    linear.prepack()
+    linear.quantized = QuantizedWeight(int(qtype), torch.from_numpy(blocks))
+    spy = mock.Mock(wraps=kernel)
+    spy.max_rows = kernel.max_rows
+    linear.quant_linear = spy
+    x = torch.randn(kernel.max_rows + 1, 128, dtype=torch.bfloat16)
+    with torch.no_grad():
+        for rows in (1, kernel.max_rows, kernel.max_rows + 1):
+            torch.testing.assert_close(linear(x[:rows]).float(),
+                                       F.linear(x[:rows], linear.weight).float(),
+                                       rtol=2 ** -7, atol=1e-2)
+    assert spy.call_count == 2  # 1 and max_rows rows; one more goes to the prepacked matmul

@@ -90,9 +90,9 @@ def compare(ours: list[int], ref: list[int], gaps: list[float], tie: float = TIE
 
 
 def run_conveyor(path: str | None, prompts, policy: str, dtype: str = "float32",
-                 new_tokens: int = NEW_TOKENS):
+                 new_tokens: int = NEW_TOKENS, max_num_seqs: int = 12):
     llm = LLM(model=path, dtype=dtype, policy=policy, block_size=16, num_kv_blocks=20,
-              max_model_len=160, max_num_seqs=12, max_num_batched_tokens=64)
+              max_model_len=160, max_num_seqs=max_num_seqs, max_num_batched_tokens=64)
     params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     pool = llm.engine.scheduler.kv.pool
@@ -116,11 +116,14 @@ def test_default_gguf_matches_transformers(default_gguf_path, policy):
 
 
 @pytest.mark.slow
-def test_default_gguf_bf16_first_tokens_match_transformers(default_gguf_path):
+@pytest.mark.parametrize("max_num_seqs", [12, 1], ids=["batched", "alone"])
+def test_default_gguf_bf16_first_tokens_match_transformers(default_gguf_path, max_num_seqs):
+    """Alone, the CPU path reads the layers' linears from the GGUF's blocks (QuantLinear)."""
     prompts, refs = reference("gguf", default_gguf_path, "bfloat16", BF16_TOKENS)
-    outputs = run_conveyor(None, prompts, "continuous", "bfloat16", BF16_TOKENS)
+    outputs = run_conveyor(None, prompts, "continuous", "bfloat16", BF16_TOKENS, max_num_seqs)
     identical = [compare(o.outputs[0].token_ids, *ref, BF16_TIE) for o, ref in zip(outputs, refs)]
-    print(f"bf16: {sum(identical)}/{len(identical)} identical over {BF16_TOKENS} tokens")
+    print(f"bf16, {max_num_seqs} at once: {sum(identical)}/{len(identical)} identical over "
+          f"{BF16_TOKENS} tokens")
 
 
 TINY = {

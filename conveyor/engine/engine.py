@@ -99,7 +99,7 @@ class LLMEngine:
         self.runner = ModelRunner(loaded.config, loaded.weights, dtype=self.dtype,
                                   device=self.device, num_blocks=num_blocks,
                                   block_size=config.block_size, max_model_len=model_len,
-                                  seed=config.seed)
+                                  seed=config.seed, quantized=loaded.quantized)
         self.kv_cache_bytes = num_blocks * per_block
         self._states: dict[str, _RequestState] = {}
         self._live_samples: dict[str, tuple[_RequestState, _Sample]] = {}  # by sample id

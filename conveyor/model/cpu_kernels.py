@@ -5,6 +5,8 @@ the system C compiler, cached, and called through ctypes.
   running SDPA reads the cache three times and pads every context to the longest; the kernel
   reads each page once, in place.
 - ``rms_norm.c``: residual add + RMSNorm in one call instead of ~10 small PyTorch ops.
+- ``quant_linear.c``: a linear for a few rows read from a GGUF's Q4_0/Q4_1/Q8_0 blocks (a
+  quarter to a half of the bytes of bfloat16), giving the bfloat16 model's weights bit for bit.
 
 They are used for bfloat16 on the CPU when a compiler is there; otherwise (or with
 ``CONVEYOR_CPU_KERNELS=off``) the model runs the plain PyTorch path (gather + SDPA, F.rms_norm),
@@ -27,10 +29,12 @@ from pathlib import Path
 
 import torch
 
+from conveyor.model.gguf_file import QUANT_BLOCK_BYTES, QuantizedWeight
+
 logger = logging.getLogger("conveyor")
 
 KERNELS = Path(__file__).with_name("kernels")
-SOURCES = ("paged_decode.c", "rms_norm.c")
+SOURCES = ("paged_decode.c", "rms_norm.c", "quant_linear.c")
 HEAD_DIMS = (64, 128)  # the specialisations paged_decode.c compiles
 # Fast math lets GCC vectorise the dot products and exp; it is not passed when linking, so the
 # library does not switch the whole process to flush-to-zero.
@@ -137,10 +141,45 @@ class AddRMSNorm:
         return out
 
 
+class QuantLinear:
+    """``quant_linear`` bound through ctypes: ``x @ w.T + bias`` with w in GGUF blocks."""
+
+    # Up to this many rows it beat the prepacked bfloat16 linear by 1.3-1.4x on SmolLM2's layers
+    # (dequantizing is compute-bound, ~10 cycles a block); from ~8 rows the matmul wins.
+    max_rows = 4
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        fn = lib.quant_linear
+        p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+        fn.argtypes = [p, i64, p, i64, i32, p, p, i64, i32, i32, i32, i32]
+        fn.restype = i32
+        self._fn = fn
+
+    def __call__(self, x: torch.Tensor, weight: QuantizedWeight,
+                 bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x: [rows, in] bfloat16 (rows may be strided); bias: [out] bfloat16. Returns [rows, out]."""
+        rows, k = x.shape
+        n = weight.blocks.shape[0]
+        assert x.dtype == torch.bfloat16 and x.stride(1) == 1
+        assert weight.blocks.shape[1] == k // 32 * QUANT_BLOCK_BYTES[weight.ggml_type]
+        assert bias is None or (bias.dtype == torch.bfloat16 and bias.is_contiguous())
+        y = torch.empty(rows, n, dtype=torch.bfloat16)
+        rc = self._fn(x.data_ptr(), x.stride(0), weight.blocks.data_ptr(), weight.blocks.stride(0),
+                      weight.ggml_type, None if bias is None else bias.data_ptr(), y.data_ptr(),
+                      y.stride(0), rows, n, k, torch.get_num_threads())
+        if rc == -2:
+            raise MemoryError("quant_linear: no memory for its scratch buffer")
+        if rc != 0:
+            raise ValueError(f"quant_linear: {rows} rows of {k} with ggml type "
+                             f"{weight.ggml_type} is not handled")
+        return y
+
+
 @dataclass
 class CPUKernels:
     decode_attention: DecodeKernel
     add_rms_norm: AddRMSNorm
+    quant_linear: QuantLinear | None  # None where the CPU lacks AVX-512 BF16
 
 
 @functools.cache
@@ -157,7 +196,8 @@ def _load() -> CPUKernels | None:
         logger.warning("could not build the CPU kernels, running plain PyTorch: %s",
                        detail.splitlines()[-1] if detail else e)
         return None
-    return CPUKernels(DecodeKernel(lib), AddRMSNorm(lib))
+    return CPUKernels(DecodeKernel(lib), AddRMSNorm(lib),
+                      QuantLinear(lib) if lib.quant_linear_supported() else None)
 
 
 def cpu_kernels(device: torch.device, dtype: torch.dtype, head_dim: int) -> CPUKernels | None:

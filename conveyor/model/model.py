@@ -14,7 +14,12 @@ from torch import nn
 
 from conveyor.model.attention import AttentionMetadata, paged_attention
 from conveyor.model.config import ModelConfig
-from conveyor.model.cpu_kernels import AddRMSNorm
+from conveyor.model.cpu_kernels import AddRMSNorm, QuantLinear
+from conveyor.model.gguf_file import QuantizedWeight
+
+# The matmuls run fused, one per group: the fused name and its parts, in order.
+FUSED = {"attention.wqkv": ("attention.wq", "attention.wk", "attention.wv"),
+         "feed_forward.w13": ("feed_forward.w1", "feed_forward.w3")}
 
 
 class Linear(nn.Linear):
@@ -24,11 +29,16 @@ class Linear(nn.Linear):
     (1-64) and gives the same bits as ``F.linear`` (checked in tests/test_model_layers.py)."""
 
     packed: torch.Tensor | None = None
+    # The same weight in GGUF blocks, read by the CPU kernel when a step has a few rows.
+    quantized: QuantizedWeight | None = None
+    quant_linear: QuantLinear | None = None
 
     def prepack(self) -> None:
         self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 64)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quant_linear is not None and x.shape[0] <= self.quant_linear.max_rows:
+            return self.quant_linear(x, self.quantized, self.bias)
         if self.packed is None:
             return F.linear(x, self.weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
@@ -200,6 +210,22 @@ class Transformer(nn.Module):
             layer.attention_norm.fused = layer.ffn_norm.fused = kernel
         self.norm.fused = kernel
 
+    def use_quant_linear(self, kernel: QuantLinear,
+                         quantized: dict[str, QuantizedWeight]) -> None:
+        """Let every linear whose weight the GGUF stores in blocks the kernel reads (all of a
+        fused group's parts, of one type) run through the kernel at small row counts."""
+        for i, layer in enumerate(self.layers):
+            for local, module in layer.named_modules():
+                if not isinstance(module, Linear):
+                    continue
+                found = [quantized.get(f"layers.{i}.{part}.weight")
+                         for part in FUSED.get(local, (local,))]
+                if not all(found) or len({q.ggml_type for q in found}) != 1:
+                    continue
+                module.quantized = QuantizedWeight(found[0].ggml_type,
+                                                   torch.cat([q.blocks for q in found]))
+                module.quant_linear = kernel
+
     def prepack(self) -> None:
         """Reorder every linear weight for oneDNN (see ``Linear``); call after loading."""
         for module in self.modules():
@@ -214,11 +240,9 @@ class Transformer(nn.Module):
         """Copy loader-named weights in (converting dtype), fusing q/k/v and gate/up."""
         fused = dict(weights)
         for i in range(self.config.num_layers):
-            a, f = f"layers.{i}.attention.", f"layers.{i}.feed_forward."
-            for kind in ("weight", "bias"):
-                parts = [fused.pop(f"{a}w{x}.{kind}", None) for x in "qkv"]
-                if parts[0] is not None:
-                    fused[f"{a}wqkv.{kind}"] = torch.cat(parts)
-            fused[f"{f}w13.weight"] = torch.cat([fused.pop(f"{f}w1.weight"),
-                                                 fused.pop(f"{f}w3.weight")])
+            for whole, parts in FUSED.items():
+                for kind in ("weight", "bias"):
+                    tensors = [fused.pop(f"layers.{i}.{part}.{kind}", None) for part in parts]
+                    if tensors[0] is not None:
+                        fused[f"layers.{i}.{whole}.{kind}"] = torch.cat(tensors)
         self.load_state_dict(fused, strict=True)  # the loader has checked names and shapes

@@ -10,6 +10,7 @@ from conveyor.engine.scheduler import SchedulerOutput
 from conveyor.model.attention import AttentionMetadata, DecodeGroup, PrefillChunk
 from conveyor.model.config import ModelConfig
 from conveyor.model.cpu_kernels import cpu_kernels
+from conveyor.model.gguf_file import QuantizedWeight
 from conveyor.model.model import Transformer, can_prepack, rope_tables
 from conveyor.model.sampler import SampleResult, Sampler
 
@@ -42,7 +43,9 @@ def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype)
 class ModelRunner:
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], *,
                  dtype: torch.dtype, device: torch.device, num_blocks: int, block_size: int,
-                 max_model_len: int, seed: int) -> None:
+                 max_model_len: int, seed: int,
+                 quantized: dict[str, QuantizedWeight] | None = None) -> None:
+        """quantized: the GGUF's block-quantized matrices, read by the CPU kernel at small M."""
         self.config = config
         self.device = device
         self.dtype = dtype
@@ -63,6 +66,8 @@ class ModelRunner:
         self.decode_kernel = kernels.decode_attention if kernels is not None else None
         if kernels is not None:
             self.model.use_add_rms_norm(kernels.add_rms_norm)
+            if kernels.quant_linear is not None and quantized:
+                self.model.use_quant_linear(kernels.quant_linear, quantized)
 
     def _tensor(self, data: list, dtype: torch.dtype = torch.long) -> torch.Tensor:
         return torch.tensor(data, dtype=dtype, device=self.device)
