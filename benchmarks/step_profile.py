@@ -124,7 +124,7 @@ def main() -> None:
     for mod in model.layers.modules():
         if isinstance(mod, torch.nn.Linear):
             clock(mod, "forward", spent, "linears (layers)")
-    clock(model_module, "paged_attention", spent, "attention (write KV, attend)")
+    clock(model_module, "paged_attention", spent, "attention (attend)")
     forward_spent: dict[str, float] = defaultdict(float)
     clock(model, "forward", forward_spent, "network")
 
@@ -134,9 +134,9 @@ def main() -> None:
         engine.step()
         totals.append(time.perf_counter() - t)
     step = sum(totals)
-    spent["network: norms, rope, residuals, the rest"] = (
+    spent["network: norms, rope + KV write, residuals, the rest"] = (
         forward_spent["network"] - spent["linears (layers)"]
-        - spent["attention (write KV, attend)"])
+        - spent["attention (attend)"])
     spent["engine bookkeeping (advance, detokenize, outputs)"] = step - sum(
         spent[k] for k in ("schedule", "prepare inputs", "logits (lm_head)", "sample")) \
         - forward_spent["network"]

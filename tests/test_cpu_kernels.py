@@ -13,10 +13,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conveyor.model.attention import gather_pages
+from conveyor.model.attention import gather_pages, write_kv
 from conveyor.model.cpu_kernels import cpu_kernels
 from conveyor.model.gguf_file import QuantizedWeight
-from conveyor.model.model import Linear, RMSNorm
+from conveyor.model.config import ModelConfig
+from conveyor.model.model import Linear, RMSNorm, apply_rope, rope_tables
 
 # Where a compiler exists the kernel must build: a broken build fails here instead of skipping.
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
@@ -108,6 +109,35 @@ def test_kernel_only_where_it_applies(monkeypatch):
     assert cpu_kernels(cpu, torch.bfloat16, 96) is None
     monkeypatch.setenv("CONVEYOR_CPU_KERNELS", "off")
     assert cpu_kernels(cpu, torch.bfloat16, 64) is None
+
+
+@pytest.mark.parametrize("heads,kv_heads,dim,tokens", [(9, 3, 64, 1), (9, 3, 64, 37),
+                                                      (32, 8, 128, 5)])
+def test_rope_kv_write_matches_apply_rope_and_write_kv(heads, kv_heads, dim, tokens):
+    kernels = cpu_kernels(torch.device("cpu"), torch.bfloat16, dim)
+    assert kernels is not None, "the CPU kernels did not build (see the warning above)"
+    config = ModelConfig(architecture="llama", vocab_size=8, hidden_size=heads * dim,
+                         intermediate_size=8, num_layers=1, num_heads=heads,
+                         num_kv_heads=kv_heads, head_dim=dim, rms_norm_eps=1e-5,
+                         rope_theta=10000.0, rope_scaling=None, max_position_embeddings=512,
+                         tie_word_embeddings=True, attention_bias=False, qk_norm=False,
+                         torch_dtype=None)
+    cos, sin = rope_tables(config, 512, torch.bfloat16, torch.device("cpu"))
+    gen = torch.Generator().manual_seed(tokens)
+    positions = torch.randint(0, 512, (tokens,), generator=gen)
+    cos, sin = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
+    # q, k, v as the model has them: views of one fused projection's output
+    qkv = (torch.randn(tokens, heads + 2 * kv_heads, dim, generator=gen) * 4).bfloat16()
+    slots = torch.randperm(8 * 16, generator=gen)[:tokens]
+    caches = [torch.zeros(8, 16, kv_heads, dim, dtype=torch.bfloat16) for _ in range(4)]
+
+    qk_ref = apply_rope(qkv[:, :heads + kv_heads], cos, sin)
+    write_kv(qk_ref[:, heads:], qkv[:, heads + kv_heads:], caches[0], caches[1], slots)
+    qk = qkv[:, :heads + kv_heads]
+    kernels.rope_kv_write(qk, qkv[:, heads + kv_heads:], cos, sin, slots, caches[2], caches[3])
+
+    assert torch.equal(qk, qk_ref)
+    assert torch.equal(caches[2], caches[0]) and torch.equal(caches[3], caches[1])
 
 
 def quant_kernel():

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from conveyor.model.cpu_kernels import DecodeKernel
+from conveyor.model.cpu_kernels import DecodeKernel, RopeKVWrite
 
 
 @dataclass
@@ -43,17 +43,15 @@ class AttentionMetadata:
     decodes: list[DecodeGroup]
     prefills: list[PrefillChunk]
     decode_kernel: DecodeKernel | None = None
+    rope_kv_write: RopeKVWrite | None = None
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: AttentionMetadata) -> torch.Tensor:
-    """q: [T, H, D]; k, v: [T, KVH, D]; caches: [num_blocks, block_size, KVH, D].
-
-    Returns [T, H, D]."""
+    """q: [T, H, D]; k, v: [T, KVH, D], already in the caches ([num_blocks, block_size, KVH,
+    D]; see ``write_kv``). Returns [T, H, D]."""
     num_blocks, block_size, kv_heads, dim = k_cache.shape
-    k_cache.view(-1, kv_heads, dim).index_copy_(0, meta.slot_mapping, k)
-    v_cache.view(-1, kv_heads, dim).index_copy_(0, meta.slot_mapping, v)
     out = torch.empty_like(q)
     groups = q.shape[1] // kv_heads
     for g in meta.decodes:
@@ -82,6 +80,14 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                            is_causal=chunk.mask is None, enable_gqa=True)
         out[chunk.start:chunk.end] = o.squeeze(0).transpose(0, 1)
     return out
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Each token's K/V into its cache row (the CPU bfloat16 path fuses this with rope)."""
+    kv_heads, dim = k_cache.shape[2:]
+    k_cache.view(-1, kv_heads, dim).index_copy_(0, slot_mapping, k)
+    v_cache.view(-1, kv_heads, dim).index_copy_(0, slot_mapping, v)
 
 
 def gather_pages(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:

@@ -5,6 +5,7 @@ the system C compiler, cached, and called through ctypes.
   running SDPA reads the cache three times and pads every context to the longest; the kernel
   reads each page once, in place.
 - ``rms_norm.c``: residual add + RMSNorm in one call instead of ~10 small PyTorch ops.
+- ``rope_kv.c``: rotary embedding of q and k and the K/V cache write in one call a layer.
 - ``quant_linear.c``: a linear for a few rows read from a GGUF's Q4_0/Q4_1/Q8_0 blocks (a
   quarter to a half of the bytes of bfloat16), giving the bfloat16 model's weights bit for bit.
 
@@ -34,7 +35,7 @@ from conveyor.model.gguf_file import QUANT_BLOCK_BYTES, QuantizedWeight
 logger = logging.getLogger("conveyor")
 
 KERNELS = Path(__file__).with_name("kernels")
-SOURCES = ("paged_decode.c", "rms_norm.c", "quant_linear.c")
+SOURCES = ("paged_decode.c", "rms_norm.c", "rope_kv.c", "quant_linear.c")
 HEAD_DIMS = (64, 128)  # the specialisations paged_decode.c compiles
 # Fast math lets GCC vectorise the dot products and exp; it is not passed when linking, so the
 # library does not switch the whole process to flush-to-zero.
@@ -141,6 +142,34 @@ class AddRMSNorm:
         return out
 
 
+class RopeKVWrite:
+    """``rope_kv_write`` bound through ctypes: rotate q and k in place, write k and v to cache."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        fn = lib.rope_kv_write
+        p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+        fn.argtypes = [p, i64, p, i64, p, p, i64, p, p, p, i32, i32, i32, i32, i32]
+        fn.restype = None
+        self._fn = fn
+
+    def __call__(self, qk: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 slots: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+        """qk: [T, H + KVH, D], v: [T, KVH, D] bfloat16 (rows may be strided, heads packed);
+        cos/sin: [T, 1, D]; slots: [T] int64; caches: [blocks, block_size, KVH, D]."""
+        tokens, num_qk, dim = qk.shape
+        kv_heads = v.shape[1]
+        assert qk.dtype == v.dtype == cos.dtype == sin.dtype == k_cache.dtype == torch.bfloat16
+        assert v_cache.dtype == torch.bfloat16 and slots.dtype == torch.int64
+        assert k_cache.is_contiguous() and v_cache.is_contiguous() and slots.is_contiguous()
+        for t in (qk, v):
+            assert t.stride(2) == 1 and t.stride(1) == dim
+        assert cos.stride() == sin.stride() and cos.stride(2) == 1
+        self._fn(qk.data_ptr(), qk.stride(0), v.data_ptr(), v.stride(0), cos.data_ptr(),
+                 sin.data_ptr(), cos.stride(0), slots.data_ptr(), k_cache.data_ptr(),
+                 v_cache.data_ptr(), tokens, num_qk - kv_heads, kv_heads, dim,
+                 torch.get_num_threads())
+
+
 class QuantLinear:
     """``quant_linear`` bound through ctypes: ``x @ w.T + bias`` with w in GGUF blocks."""
 
@@ -179,6 +208,7 @@ class QuantLinear:
 class CPUKernels:
     decode_attention: DecodeKernel
     add_rms_norm: AddRMSNorm
+    rope_kv_write: RopeKVWrite
     quant_linear: QuantLinear | None  # None where the CPU lacks AVX-512 BF16
 
 
@@ -196,7 +226,7 @@ def _load() -> CPUKernels | None:
         logger.warning("could not build the CPU kernels, running plain PyTorch: %s",
                        detail.splitlines()[-1] if detail else e)
         return None
-    return CPUKernels(DecodeKernel(lib), AddRMSNorm(lib),
+    return CPUKernels(DecodeKernel(lib), AddRMSNorm(lib), RopeKVWrite(lib),
                       QuantLinear(lib) if lib.quant_linear_supported() else None)
 
 

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from conveyor.model.attention import AttentionMetadata, paged_attention
+from conveyor.model.attention import AttentionMetadata, paged_attention, write_kv
 from conveyor.model.config import ModelConfig
 from conveyor.model.cpu_kernels import AddRMSNorm, QuantLinear
 from conveyor.model.gguf_file import QuantizedWeight
@@ -138,7 +138,11 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             qk = torch.cat((self.q_norm(qk[:, :self.n_heads]), self.k_norm(qk[:, self.n_heads:])),
                            dim=1)
-        qk = apply_rope(qk, cos, sin)  # q and k heads together: one set of ops, not two
+        if meta.rope_kv_write is not None:
+            meta.rope_kv_write(qk, v, cos, sin, meta.slot_mapping, *kv_cache)
+        else:
+            qk = apply_rope(qk, cos, sin)  # q and k heads together: one set of ops, not two
+            write_kv(qk[:, self.n_heads:], v, *kv_cache, meta.slot_mapping)
         q, k = qk[:, :self.n_heads], qk[:, self.n_heads:]
         o = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta)
         return self.wo(o.reshape(T, self.q_size))

@@ -64,6 +64,7 @@ class ModelRunner:
         self.sampler = Sampler(config.vocab_size, device, seed)
         kernels = cpu_kernels(device, dtype, config.head_dim)
         self.decode_kernel = kernels.decode_attention if kernels is not None else None
+        self.rope_kv_write = kernels.rope_kv_write if kernels is not None else None
         if kernels is not None:
             self.model.use_add_rms_norm(kernels.add_rms_norm)
             if kernels.quant_linear is not None and quantized:
@@ -127,7 +128,8 @@ class ModelRunner:
             if r.num_computed_tokens + n == r.num_tokens:
                 logits_rows.append(end - 1)
                 sampling.append(r)
-        meta = AttentionMetadata(self._tensor(slots), groups, prefills, self.decode_kernel)
+        meta = AttentionMetadata(self._tensor(slots), groups, prefills, self.decode_kernel,
+                                 self.rope_kv_write)
         return self._tensor(ids), self._tensor(positions), meta, logits_rows, sampling
 
     @torch.inference_mode()
