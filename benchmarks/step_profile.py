@@ -2,8 +2,9 @@
 
 Fills a batch with ``--batch`` requests of ``--context`` prompt tokens, lets them all reach
 decode, then times ``--steps`` decode steps through ``LLMEngine.step`` with each phase clocked:
-scheduling, input preparation, the network (linears, attention and the rest), logits, sampling,
-and the engine's own bookkeeping (advance, detokenize, outputs). In the same run it times the
+scheduling, input preparation, the network (linears, attention and the rest, or, at a few
+requests on the CPU, all layers in one kernel call), logits, sampling, and the engine's own
+bookkeeping (advance, detokenize, outputs). In the same run it times the
 model's own linear layers alone at the same M (``F.linear`` on its weights), so the step's
 linear FLOPs can be set against the rate the linears reach by themselves.
 
@@ -46,6 +47,9 @@ class _Clocked:
 
     def __getattr__(self, name: str):
         return getattr(self.inner, name)
+
+
+STACK = "all decoder layers in one call (decode_stack)"
 
 
 def clock(obj, name: str, spent: dict[str, float], label: str) -> None:
@@ -125,6 +129,8 @@ def main() -> None:
         if isinstance(mod, torch.nn.Linear):
             clock(mod, "forward", spent, "linears (layers)")
     clock(model_module, "paged_attention", spent, "attention (attend)")
+    if model.decode_stack is not None:
+        clock(model, "decode_stack", spent, STACK)
     forward_spent: dict[str, float] = defaultdict(float)
     clock(model, "forward", forward_spent, "network")
 
@@ -136,7 +142,7 @@ def main() -> None:
     step = sum(totals)
     spent["network: norms, rope + KV write, residuals, the rest"] = (
         forward_spent["network"] - spent["linears (layers)"]
-        - spent["attention (attend)"])
+        - spent["attention (attend)"] - spent[STACK])
     spent["engine bookkeeping (advance, detokenize, outputs)"] = step - sum(
         spent[k] for k in ("schedule", "prepare inputs", "logits (lm_head)", "sample")) \
         - forward_spent["network"]
@@ -145,6 +151,8 @@ def main() -> None:
           f"threads {torch.get_num_threads()}: median {statistics.median(totals) * 1e3:.1f} ms, "
           f"mean {step / args.steps * 1e3:.1f} ms over {args.steps} steps")
     for label, seconds in sorted(spent.items(), key=lambda kv: -kv[1]):
+        if seconds == 0:  # e.g. the layer-by-layer parts when decode_stack ran the layers
+            continue
         print(f"  {label:<52}{seconds / args.steps * 1e3:>8.1f} ms{seconds / step:>7.1%}")
     overhead = sum(spent[k] for k in ("schedule", "prepare inputs", "sample"))
     print(f"  scheduler + input preparation + sampling: {overhead / step:.1%} of the step")

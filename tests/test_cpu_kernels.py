@@ -201,3 +201,38 @@ def test_linear_reads_blocks_only_for_a_few_rows():
                                        F.linear(x[:rows], linear.weight).float(),
                                        rtol=2 ** -7, atol=1e-2)
     assert spy.call_count == 2  # 1 and max_rows rows; one more goes to the prepacked matmul
+
+
+def test_decode_stack_matches_the_layers(monkeypatch, default_gguf_path):
+    """Each step of a few decodes runs through both the one-call stack and the layers one by
+    one, on the same inputs: the same hidden states up to rare one-step bfloat16 differences
+    (SiLU's float32 exp and division, as C and PyTorch compute them, can round apart)."""
+    quant_kernel()
+    from conveyor import LLM, SamplingParams
+    from conveyor.model.model import Transformer
+
+    llm = LLM(model=default_gguf_path, dtype="bfloat16", max_num_seqs=4)
+    assert llm.engine.runner.model.decode_stack is not None
+    forward, compared = Transformer.forward, []
+
+    def both(self, input_ids, cos, sin, kv_caches, meta):
+        stack = self.decode_stack
+        ours = forward(self, input_ids, cos, sin, kv_caches, meta)
+        self.decode_stack = None  # the layers rewrite this token's K/V before reading them
+        layers = forward(self, input_ids, cos, sin, kv_caches, meta)
+        self.decode_stack = stack
+        if not meta.prefills:
+            compared.append((ours.float(), layers.float()))
+        return layers
+
+    monkeypatch.setattr(Transformer, "forward", both)
+    llm.generate(["The capital of France is", "Once upon a time", "def f(x):"],
+                 SamplingParams(temperature=0, max_tokens=10, ignore_eos=True), use_tqdm=False)
+    assert len(compared) == 9
+    differing = []
+    for ours, layers in compared:
+        diff = (ours - layers).abs()
+        assert diff.max() <= layers.abs().max() * 2 ** -6
+        differing.append((diff > 0).float().mean().item())
+    assert sum(differing) / len(differing) < 0.2
+    assert differing.count(0.0) >= len(differing) // 2

@@ -8,6 +8,8 @@ the system C compiler, cached, and called through ctypes.
 - ``rope_kv.c``: rotary embedding of q and k and the K/V cache write in one call a layer.
 - ``quant_linear.c``: a linear for a few rows read from a GGUF's Q4_0/Q4_1/Q8_0 blocks (a
   quarter to a half of the bytes of bfloat16), giving the bfloat16 model's weights bit for bit.
+- ``decode_stack.c``: all decoder layers of a decode step with a few requests in one call, made
+  of the kernels above, so that such a step pays no per-op Python cost.
 
 They are used for bfloat16 on the CPU when a compiler is there; otherwise (or with
 ``CONVEYOR_CPU_KERNELS=off``) the model runs the plain PyTorch path (gather + SDPA, F.rms_norm),
@@ -35,7 +37,7 @@ from conveyor.model.gguf_file import QUANT_BLOCK_BYTES, QuantizedWeight
 logger = logging.getLogger("conveyor")
 
 KERNELS = Path(__file__).with_name("kernels")
-SOURCES = ("paged_decode.c", "rms_norm.c", "rope_kv.c", "quant_linear.c")
+SOURCES = ("paged_decode.c", "rms_norm.c", "rope_kv.c", "quant_linear.c", "decode_stack.c")
 HEAD_DIMS = (64, 128)  # the specialisations paged_decode.c compiles
 # Fast math lets GCC vectorise the dot products and exp; it is not passed when linking, so the
 # library does not switch the whole process to flush-to-zero.
@@ -204,12 +206,100 @@ class QuantLinear:
         return y
 
 
+class _Matrix(ctypes.Structure):
+    _fields_ = [("blocks", ctypes.c_void_p), ("row_bytes", ctypes.c_int64),
+                ("type", ctypes.c_int32)]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [("attention_norm", ctypes.c_void_p), ("ffn_norm", ctypes.c_void_p),
+                ("wqkv", _Matrix), ("wo", _Matrix), ("w13", _Matrix), ("w2", _Matrix),
+                ("qkv_bias", ctypes.c_void_p), ("k_cache", ctypes.c_void_p),
+                ("v_cache", ctypes.c_void_p)]
+
+
+class _Shape(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_int) for name in ("hidden", "heads", "kv_heads", "dim",
+                                                    "intermediate", "block_size")] + [
+        ("eps", ctypes.c_float), ("scale", ctypes.c_float)]
+
+
+@dataclass
+class StackLayer:
+    """One decoder layer's weights and KV cache, as ``decode_stack`` reads them."""
+
+    attention_norm: torch.Tensor  # [hidden] bfloat16
+    ffn_norm: torch.Tensor
+    wqkv: QuantizedWeight         # q, k and v rows, fused
+    wo: QuantizedWeight
+    w13: QuantizedWeight          # gate and up rows, fused
+    w2: QuantizedWeight
+    qkv_bias: torch.Tensor | None
+    k_cache: torch.Tensor         # [blocks, block_size, kv_heads, head_dim], contiguous
+    v_cache: torch.Tensor
+
+
+class DecodeStack:
+    """``decode_stack`` bound to one model's layers: call it with a step's embeddings."""
+
+    max_rows = QuantLinear.max_rows  # the rows its linears (QuantLinear) are run at
+
+    def __init__(self, lib: ctypes.CDLL, layers: list[StackLayer], *, heads: int, kv_heads: int,
+                 head_dim: int, intermediate: int, eps: float) -> None:
+        fn = lib.decode_stack
+        p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+        fn.argtypes = [p, i32, p, p, p, i32, p, p, p, p, i64, p, i32]
+        fn.restype = i32
+        self._fn = fn
+
+        def matrix(w: QuantizedWeight) -> _Matrix:
+            assert w.blocks.is_contiguous()
+            return _Matrix(w.blocks.data_ptr(), w.blocks.stride(0), w.ggml_type)
+
+        for layer in layers:
+            for t in (layer.attention_norm, layer.ffn_norm, layer.k_cache, layer.v_cache):
+                assert t.dtype == torch.bfloat16 and t.is_contiguous()
+        self._layers = (_Layer * len(layers))(*[_Layer(
+            l.attention_norm.data_ptr(), l.ffn_norm.data_ptr(), matrix(l.wqkv), matrix(l.wo),
+            matrix(l.w13), matrix(l.w2), None if l.qkv_bias is None else l.qkv_bias.data_ptr(),
+            l.k_cache.data_ptr(), l.v_cache.data_ptr()) for l in layers])
+        self._keep = layers  # the pointers above are into these tensors
+        self.hidden = layers[0].attention_norm.shape[0]
+        self._shape = _Shape(self.hidden, heads, kv_heads, head_dim, intermediate,
+                             layers[0].k_cache.shape[1], eps, head_dim ** -0.5)
+
+    def __call__(self, h: torch.Tensor, residual: torch.Tensor, cos: torch.Tensor,
+                 sin: torch.Tensor, slots: torch.Tensor, block_tables: torch.Tensor,
+                 context_lens: torch.Tensor) -> None:
+        """h: [rows, hidden] embeddings in, last layer's output out; residual: [rows, hidden]
+        set to the stream before it; cos/sin: [rows, 1, head_dim]; slots: [rows] int64;
+        block_tables: [rows, W], context_lens: [rows], int32."""
+        rows = h.shape[0]
+        assert 1 <= rows <= self.max_rows and h.shape == residual.shape == (rows, self.hidden)
+        assert h.dtype == residual.dtype == cos.dtype == sin.dtype == torch.bfloat16
+        assert h.is_contiguous() and residual.is_contiguous() and cos.is_contiguous()
+        assert sin.is_contiguous() and slots.dtype == torch.int64 and slots.is_contiguous()
+        assert block_tables.dtype == context_lens.dtype == torch.int32
+        assert block_tables.stride(1) == 1 and context_lens.is_contiguous()
+        rc = self._fn(self._layers, len(self._keep), ctypes.byref(self._shape), h.data_ptr(),
+                      residual.data_ptr(), rows, cos.data_ptr(), sin.data_ptr(),
+                      slots.data_ptr(), block_tables.data_ptr(), block_tables.stride(0),
+                      context_lens.data_ptr(), torch.get_num_threads())
+        if rc != 0:
+            raise RuntimeError(f"decode_stack failed ({rc})")
+
+
 @dataclass
 class CPUKernels:
     decode_attention: DecodeKernel
     add_rms_norm: AddRMSNorm
     rope_kv_write: RopeKVWrite
     quant_linear: QuantLinear | None  # None where the CPU lacks AVX-512 BF16
+    lib: ctypes.CDLL
+
+    def decode_stack(self, layers: list[StackLayer], **shape) -> DecodeStack | None:
+        """The one-call layer stack over these layers (None without ``quant_linear``)."""
+        return None if self.quant_linear is None else DecodeStack(self.lib, layers, **shape)
 
 
 @functools.cache
@@ -227,7 +317,7 @@ def _load() -> CPUKernels | None:
                        detail.splitlines()[-1] if detail else e)
         return None
     return CPUKernels(DecodeKernel(lib), AddRMSNorm(lib), RopeKVWrite(lib),
-                      QuantLinear(lib) if lib.quant_linear_supported() else None)
+                      QuantLinear(lib) if lib.quant_linear_supported() else None, lib)
 
 
 def cpu_kernels(device: torch.device, dtype: torch.dtype, head_dim: int) -> CPUKernels | None:

@@ -14,7 +14,7 @@ from torch import nn
 
 from conveyor.model.attention import AttentionMetadata, paged_attention, write_kv
 from conveyor.model.config import ModelConfig
-from conveyor.model.cpu_kernels import AddRMSNorm, QuantLinear
+from conveyor.model.cpu_kernels import AddRMSNorm, CPUKernels, DecodeStack, QuantLinear, StackLayer
 from conveyor.model.gguf_file import QuantizedWeight
 
 # The matmuls run fused, one per group: the fused name and its parts, in order.
@@ -190,12 +190,20 @@ class Transformer(nn.Module):
         self.output = (None if config.tie_word_embeddings
                        else Linear(config.hidden_size, config.vocab_size, bias=False))
         self.packed_head: torch.Tensor | None = None  # the tied head, when prepacked
+        self.decode_stack: DecodeStack | None = None  # all layers in one call, at a few decodes
 
     def forward(self, input_ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                 meta: AttentionMetadata) -> torch.Tensor:
         """input_ids: [T]; cos/sin: [T, 1, head_dim] for each token's position. Returns [T, D]."""
         h, residual = self.tok_embeddings(input_ids), None
+        if (self.decode_stack is not None and not meta.prefills
+                and len(input_ids) <= self.decode_stack.max_rows):
+            residual = torch.empty_like(h)
+            (group,) = meta.decodes
+            self.decode_stack(h, residual, cos, sin, meta.slot_mapping, group.block_tables,
+                              group.context_lens)
+            return self.norm(h, residual)[0]
         for layer, kv_cache in zip(self.layers, kv_caches):
             h, residual = layer(h, residual, cos, sin, kv_cache, meta)
         return self.norm(h, residual)[0]
@@ -229,6 +237,24 @@ class Transformer(nn.Module):
                 module.quantized = QuantizedWeight(found[0].ggml_type,
                                                    torch.cat([q.blocks for q in found]))
                 module.quant_linear = kernel
+
+    def use_decode_stack(self, kernels: CPUKernels,
+                         kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Run a step of a few decodes through all layers in one kernel call, when every layer
+        is what that kernel computes (no q/k norms, every linear in GGUF blocks). Call after
+        ``use_quant_linear``."""
+        linears = [m for layer in self.layers for m in layer.modules() if isinstance(m, Linear)]
+        if self.config.qk_norm or any(m.quantized is None for m in linears):
+            return
+        c = self.config
+        self.decode_stack = kernels.decode_stack(
+            [StackLayer(layer.attention_norm.weight, layer.ffn_norm.weight,
+                        layer.attention.wqkv.quantized, layer.attention.wo.quantized,
+                        layer.feed_forward.w13.quantized, layer.feed_forward.w2.quantized,
+                        layer.attention.wqkv.bias, *kv_cache)
+             for layer, kv_cache in zip(self.layers, kv_caches)],
+            heads=c.num_heads, kv_heads=c.num_kv_heads, head_dim=c.head_dim,
+            intermediate=c.intermediate_size, eps=c.rms_norm_eps)
 
     def prepack(self) -> None:
         """Reorder every linear weight for oneDNN (see ``Linear``); call after loading."""

@@ -69,6 +69,7 @@ class ModelRunner:
             self.model.use_add_rms_norm(kernels.add_rms_norm)
             if kernels.quant_linear is not None and quantized:
                 self.model.use_quant_linear(kernels.quant_linear, quantized)
+                self.model.use_decode_stack(kernels, self.kv_caches)
 
     def _tensor(self, data: list, dtype: torch.dtype = torch.long) -> torch.Tensor:
         return torch.tensor(data, dtype=dtype, device=self.device)
