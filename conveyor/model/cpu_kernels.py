@@ -242,7 +242,10 @@ class StackLayer:
 class DecodeStack:
     """``decode_stack`` bound to one model's layers: call it with a step's embeddings."""
 
-    max_rows = QuantLinear.max_rows  # the rows its linears (QuantLinear) are run at
+    # The kernel's limit (MAX_ROWS in quant_linear.c). From 5 to 8 rows its linears only tie
+    # the prepacked matmul, but a step without ~20 Python-side ops a layer still wins: 29.9 vs
+    # 41.2 ms a step at 6 decodes, 35.5 vs 43.5 at 8 (SmolLM2, alternated runs).
+    max_rows = 8
 
     def __init__(self, lib: ctypes.CDLL, layers: list[StackLayer], *, heads: int, kv_heads: int,
                  head_dim: int, intermediate: int, eps: float) -> None:
