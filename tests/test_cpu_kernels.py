@@ -157,7 +157,7 @@ def test_quant_linear_reads_the_loaders_bf16_weights(qtype):
     # Scales spanning several binades, so the float32 d * q + m often needs rounding.
     w = (gen.standard_normal((n, k)) * np.exp(gen.uniform(-4, 2, (n, 1)))).astype(np.float32)
     blocks = gguf.quants.quantize(w, qtype)
-    weight = QuantizedWeight(int(qtype), torch.from_numpy(blocks))
+    weight = QuantizedWeight.from_gguf(int(qtype), blocks)
     # What the loader makes of these blocks (numpy dequantization, then bfloat16).
     expected = torch.from_numpy(gguf.quants.dequantize(blocks, qtype).reshape(n, k)).bfloat16()
 
@@ -190,7 +190,7 @@ def test_linear_reads_blocks_only_for_a_few_rows():
     with torch.no_grad():
         linear.weight.copy_(torch.from_numpy(gguf.quants.dequantize(blocks, qtype)))
     linear.prepack()
-    linear.quantized = QuantizedWeight(int(qtype), torch.from_numpy(blocks))
+    linear.quantized = QuantizedWeight.from_gguf(int(qtype), blocks)
     spy = mock.Mock(wraps=kernel)
     spy.max_rows = kernel.max_rows
     linear.quant_linear = spy

@@ -37,20 +37,34 @@ _BLOCK_NAMES = {
     "ffn_up": "feed_forward.w3",
     "ffn_down": "feed_forward.w2",
 }
-# Bytes per block of 32 weights, for the types the CPU's small-batch linear reads directly.
-QUANT_BLOCK_BYTES = {
-    int(gguf.GGMLQuantizationType.Q4_0): 18,
-    int(gguf.GGMLQuantizationType.Q4_1): 20,
-    int(gguf.GGMLQuantizationType.Q8_0): 34,
+# The types the CPU's small-batch linear reads: bytes per block of 32 weights in the file, and
+# how many fp16 scalars (scale, min) open each block.
+_GGUF_BLOCKS = {
+    int(gguf.GGMLQuantizationType.Q4_0): (18, 1),
+    int(gguf.GGMLQuantizationType.Q4_1): (20, 2),
+    int(gguf.GGMLQuantizationType.Q8_0): (34, 1),
 }
+# ... and in memory, with those scalars widened to float32 (see ``QuantizedWeight``).
+QUANT_BLOCK_BYTES = {t: size + 2 * scalars for t, (size, scalars) in _GGUF_BLOCKS.items()}
 
 
 @dataclass
 class QuantizedWeight:
-    """A weight as the GGUF stores it: one row of blocks per output feature."""
+    """A weight in the GGUF's own blocks, one row of blocks per output feature, with each
+    block's fp16 scale (and min) widened to float32: exact, 2 bytes more a scalar, and the
+    kernel then loads them with a broadcast instead of converting them (~1.4x its speed)."""
 
     ggml_type: int
-    blocks: torch.Tensor  # uint8 [out_features, in_features // 32 * block bytes]
+    blocks: torch.Tensor  # uint8 [out_features, in_features // 32 * QUANT_BLOCK_BYTES[type]]
+
+    @classmethod
+    def from_gguf(cls, ggml_type: int, blocks: np.ndarray) -> QuantizedWeight:
+        """blocks: [rows, row bytes] as the file stores them."""
+        size, scalars = _GGUF_BLOCKS[ggml_type]
+        b = blocks.reshape(blocks.shape[0], -1, size)
+        head = np.ascontiguousarray(b[..., :2 * scalars]).view(np.float16).astype(np.float32)
+        widened = np.concatenate([head.view(np.uint8), b[..., 2 * scalars:]], axis=-1)
+        return cls(ggml_type, torch.from_numpy(widened.reshape(blocks.shape[0], -1)))
 
 
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
@@ -146,7 +160,7 @@ def gguf_quantized_weights(reader: gguf.GGUFReader,
     out: dict[str, QuantizedWeight] = {}
     for t in reader.tensors:
         name = _rename(t.name)
-        if (int(t.tensor_type) not in QUANT_BLOCK_BYTES or len(t.shape) != 2 or name is None
+        if (int(t.tensor_type) not in _GGUF_BLOCKS or len(t.shape) != 2 or name is None
                 or not name.startswith("layers.")):
             continue
         blocks = np.asarray(t.data)
@@ -154,7 +168,7 @@ def gguf_quantized_weights(reader: gguf.GGUFReader,
             blocks = reverse_permute(blocks, config.num_heads)
         elif config.architecture == "llama" and ".attention.wk." in name:
             blocks = reverse_permute(blocks, config.num_kv_heads)
-        out[name] = QuantizedWeight(int(t.tensor_type), torch.from_numpy(np.array(blocks)))
+        out[name] = QuantizedWeight.from_gguf(int(t.tensor_type), blocks)
     return out
 
 

@@ -1,15 +1,16 @@
-/* A linear layer for a few rows, read straight from llama.cpp's Q4_0, Q4_1 or Q8_0 blocks.
+/* A linear layer for a few rows, read straight from llama.cpp's Q4_0, Q4_1 or Q8_0 blocks
+ * (as the loader keeps them: each block's fp16 scale, and min, widened to float32 in place).
  *
  * At the batch sizes of a decode step with one or a few requests, a bfloat16 linear is bound by
- * reading its weights: 2 bytes a weight. These blocks hold the same weights in 0.56 (Q4_0),
- * 0.63 (Q4_1) or 1.06 (Q8_0) bytes, so reading them and dequantizing in registers is faster.
+ * reading its weights: 2 bytes a weight. These blocks hold the same weights in 0.63 (Q4_0),
+ * 0.75 (Q4_1) or 1.13 (Q8_0) bytes, so reading them and dequantizing in registers is faster.
  * The weights are dequantized exactly as the loader does (float32 d * q, + m: two roundings, no
  * fused multiply-add) and rounded to bfloat16, so they are the bfloat16 model's weights bit for
  * bit; products are summed in float32 as oneDNN's bfloat16 matmul does, and only the order of
- * that sum differs. Dequantizing costs ~10 cycles a block of 32, so past a few rows the prepacked
+ * that sum differs. Dequantizing costs ~7-8 cycles a block of 32, so past a few rows the prepacked
  * bfloat16 matmul (AMX) wins; the caller picks by row count.
  *
- * Needs AVX-512 (F, BF16) and F16C; elsewhere quant_linear_supported() says 0 and the model keeps
+ * Needs AVX-512 (F, BF16); elsewhere quant_linear_supported() says 0 and the model keeps
  * its bfloat16 linears.
  */
 #include <stdint.h>
@@ -22,17 +23,17 @@
 
 #include "bf16.h"
 
-#if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__F16C__)
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
 int quant_linear_supported(void) { return 1; }
 
 enum { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8 };  /* ggml's type numbers */
 #define MAX_ROWS 8
 #define EXACT (_MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
 
-static inline float fp16_load(const uint8_t *p) {
-    uint16_t h;
-    memcpy(&h, p, 2);
-    return _cvtsh_ss(h);
+static inline float f32_load(const uint8_t *p) {
+    float f;
+    memcpy(&f, p, 4);
+    return f;
 }
 
 /* 16 float32 to bfloat16 (round to nearest even), widened back to float32 */
@@ -46,9 +47,9 @@ static inline __m512 round_bf16(__m512 v) {
  * on this hardware, so the weights are widened rather than the activations narrowed.) */
 static inline void dequant_block(const uint8_t *b, int type, __m512 *lo, __m512 *hi) {
     if (type == Q8_0) {
-        const __m512 d = _mm512_set1_ps(fp16_load(b));
-        const __m512 l = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(b + 2))));
-        const __m512 h = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(b + 18))));
+        const __m512 d = _mm512_set1_ps(f32_load(b));
+        const __m512 l = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(b + 4))));
+        const __m512 h = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(b + 20))));
         *lo = round_bf16(_mm512_mul_round_ps(l, d, EXACT));
         *hi = round_bf16(_mm512_mul_round_ps(h, d, EXACT));
         return;
@@ -58,16 +59,16 @@ static inline void dequant_block(const uint8_t *b, int type, __m512 *lo, __m512 
     const int has_min = type == Q4_1;
     const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     const __m512 q = has_min ? iota : _mm512_sub_ps(iota, _mm512_set1_ps(8.0f));
-    __m512 table = _mm512_mul_round_ps(q, _mm512_set1_ps(fp16_load(b)), EXACT);
-    if (has_min) table = _mm512_add_round_ps(table, _mm512_set1_ps(fp16_load(b + 2)), EXACT);
+    __m512 table = _mm512_mul_round_ps(q, _mm512_set1_ps(f32_load(b)), EXACT);
+    if (has_min) table = _mm512_add_round_ps(table, _mm512_set1_ps(f32_load(b + 4)), EXACT);
     table = round_bf16(table);
-    const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(b + 2 + 2 * has_min)));
+    const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(b + 4 + 4 * has_min)));
     *lo = _mm512_permutexvar_ps(bytes, table);  /* vpermps uses the index's low 4 bits only */
     *hi = _mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), table);
 }
 
 static inline int block_bytes(int type) {
-    return type == Q8_0 ? 34 : type == Q4_1 ? 20 : 18;
+    return type == Q8_0 ? 36 : type == Q4_1 ? 24 : 20;
 }
 
 /* y[r, n] = sum_k x[r, k] w[n, k] for r < R, output rows [n0, n1); x here is float32, [R, k]. */
