@@ -176,7 +176,7 @@ class QuantLinear:
     """``quant_linear`` bound through ctypes: ``x @ w.T + bias`` with w in GGUF blocks."""
 
     # Up to this many rows it beat the prepacked bfloat16 linear by 1.3-1.4x on SmolLM2's layers
-    # (dequantizing is compute-bound, ~10 cycles a block); from ~8 rows the matmul wins.
+    # (before the scales were widened; dequantizing is compute-bound); at 5-8 rows they tie.
     max_rows = 4
 
     def __init__(self, lib: ctypes.CDLL) -> None:
