@@ -6,8 +6,8 @@ the system C compiler, cached, and called through ctypes.
   reads each page once, in place.
 - ``rms_norm.c``: residual add + RMSNorm in one call instead of ~10 small PyTorch ops.
 - ``rope_kv.c``: rotary embedding of q and k and the K/V cache write in one call a layer.
-- ``quant_linear.c``: a linear for a few rows read from a GGUF's Q4_0/Q4_1/Q8_0 blocks (a
-  quarter to a half of the bytes of bfloat16), giving the bfloat16 model's weights bit for bit.
+- ``quant_linear.c``: a linear for a few rows read from a GGUF's Q4_0/Q4_1/Q8_0 blocks (about a
+  third, a third and a half of bfloat16's bytes), giving the bfloat16 model's weights bit for bit.
 - ``decode_stack.c``: all decoder layers of a decode step with a few requests in one call, made
   of the kernels above, so that such a step pays no per-op Python cost.
 
