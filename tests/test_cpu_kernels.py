@@ -24,6 +24,12 @@ pytestmark = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc
                                 reason="no C compiler")
 
 
+def built_kernels(head_dim: int):
+    kernels = cpu_kernels(torch.device("cpu"), torch.bfloat16, head_dim)
+    assert kernels is not None, "the CPU kernels did not build (see the warning above)"
+    return kernels
+
+
 def reference(q, k_cache, v_cache, tables, lens):
     n, heads, dim = q.shape
     block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -43,8 +49,7 @@ def reference(q, k_cache, v_cache, tables, lens):
     (14, 2, 64, 32),   # Qwen2.5-0.5B's group of 7
 ])
 def test_kernel_matches_sdpa(heads, kv_heads, dim, block_size):
-    kernels = cpu_kernels(torch.device("cpu"), torch.bfloat16, dim)
-    assert kernels is not None, "the CPU kernels did not build (see the warning above)"
+    kernels = built_kernels(dim)
     kernel = kernels.decode_attention
     gen = torch.Generator().manual_seed(dim + heads)
     num_blocks = 64
@@ -74,8 +79,7 @@ def test_kernel_matches_sdpa(heads, kv_heads, dim, block_size):
 @pytest.mark.parametrize("rows", [1, 3, 64])
 @pytest.mark.parametrize("with_residual", [True, False])
 def test_add_rms_norm_matches_rmsnorm(rows, with_residual):
-    kernels = cpu_kernels(torch.device("cpu"), torch.bfloat16, 64)
-    assert kernels is not None, "the CPU kernels did not build (see the warning above)"
+    kernels = built_kernels(64)
     gen = torch.Generator().manual_seed(rows)
     plain = RMSNorm(576, 1e-5).bfloat16()
     with torch.no_grad():
@@ -114,8 +118,7 @@ def test_kernel_only_where_it_applies(monkeypatch):
 @pytest.mark.parametrize("heads,kv_heads,dim,tokens", [(9, 3, 64, 1), (9, 3, 64, 37),
                                                       (32, 8, 128, 5)])
 def test_rope_kv_write_matches_apply_rope_and_write_kv(heads, kv_heads, dim, tokens):
-    kernels = cpu_kernels(torch.device("cpu"), torch.bfloat16, dim)
-    assert kernels is not None, "the CPU kernels did not build (see the warning above)"
+    kernels = built_kernels(dim)
     config = ModelConfig(architecture="llama", vocab_size=8, hidden_size=heads * dim,
                          intermediate_size=8, num_layers=1, num_heads=heads,
                          num_kv_heads=kv_heads, head_dim=dim, rms_norm_eps=1e-5,
@@ -141,8 +144,7 @@ def test_rope_kv_write_matches_apply_rope_and_write_kv(heads, kv_heads, dim, tok
 
 
 def quant_kernel():
-    kernels = cpu_kernels(torch.device("cpu"), torch.bfloat16, 64)
-    assert kernels is not None, "the CPU kernels did not build (see the warning above)"
+    kernels = built_kernels(64)
     if kernels.quant_linear is None:
         pytest.skip("this CPU lacks AVX-512 BF16: the model keeps its bfloat16 linears")
     return kernels.quant_linear

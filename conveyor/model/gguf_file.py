@@ -130,6 +130,15 @@ def reverse_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, dim, 2, *w.shape[1:]).swapaxes(2, 1).reshape(w.shape)
 
 
+def _unpermute_rows(rows: np.ndarray, name: str, config: ModelConfig) -> np.ndarray:
+    """A tensor's rows (weights or their quantized blocks) in HF order: llama q/k un-interleaved."""
+    if config.architecture == "llama" and ".attention.wq." in name:
+        return reverse_permute(rows, config.num_heads)
+    if config.architecture == "llama" and ".attention.wk." in name:
+        return reverse_permute(rows, config.num_kv_heads)
+    return rows
+
+
 def gguf_weights(reader: gguf.GGUFReader, config: ModelConfig) -> dict[str, torch.Tensor]:
     """All tensors dequantized to float32 in HF [out, in] layout, under our names."""
     names = {t.name: _rename(t.name) for t in reader.tensors}
@@ -143,10 +152,7 @@ def gguf_weights(reader: gguf.GGUFReader, config: ModelConfig) -> dict[str, torc
         name = names[t.name]
         # t.shape is innermost-first; dequantize already yields rows-first (HF layout).
         w = gguf.quants.dequantize(t.data, t.tensor_type).reshape(tuple(int(d) for d in reversed(t.shape)))
-        if config.architecture == "llama" and ".attention.wq." in name:
-            w = reverse_permute(w, config.num_heads)
-        elif config.architecture == "llama" and ".attention.wk." in name:
-            w = reverse_permute(w, config.num_kv_heads)
+        w = _unpermute_rows(w, name, config)
         # Copy: F32 tensors come back as read-only views of the memory-mapped file.
         weights[name] = torch.from_numpy(np.array(w, dtype=np.float32))
     return weights
@@ -163,11 +169,7 @@ def gguf_quantized_weights(reader: gguf.GGUFReader,
         if (int(t.tensor_type) not in _GGUF_BLOCKS or len(t.shape) != 2 or name is None
                 or not name.startswith("layers.")):
             continue
-        blocks = np.asarray(t.data)
-        if config.architecture == "llama" and ".attention.wq." in name:
-            blocks = reverse_permute(blocks, config.num_heads)
-        elif config.architecture == "llama" and ".attention.wk." in name:
-            blocks = reverse_permute(blocks, config.num_kv_heads)
+        blocks = _unpermute_rows(np.asarray(t.data), name, config)
         out[name] = QuantizedWeight.from_gguf(int(t.tensor_type), blocks)
     return out
 
