@@ -49,8 +49,9 @@ def reference(q, k_cache, v_cache, tables, lens):
     (14, 2, 64, 32),   # Qwen2.5-0.5B's group of 7
 ])
 def test_kernel_matches_sdpa(heads, kv_heads, dim, block_size):
-    kernels = built_kernels(dim)
-    kernel = kernels.decode_attention
+    kernel = built_kernels(dim).decode_attention
+    if kernel is None:
+        pytest.skip("this CPU lacks AVX-512 BF16: decodes gather pages and run SDPA")
     gen = torch.Generator().manual_seed(dim + heads)
     num_blocks = 64
     k_cache = torch.randn(num_blocks, block_size, kv_heads, dim, generator=gen).bfloat16()

@@ -294,10 +294,10 @@ class DecodeStack:
 
 @dataclass
 class CPUKernels:
-    decode_attention: DecodeKernel
+    decode_attention: DecodeKernel | None  # None where the CPU lacks AVX-512 BF16
     add_rms_norm: AddRMSNorm
     rope_kv_write: RopeKVWrite
-    quant_linear: QuantLinear | None  # None where the CPU lacks AVX-512 BF16
+    quant_linear: QuantLinear | None      # likewise
     lib: ctypes.CDLL
 
     def decode_stack(self, layers: list[StackLayer], **shape) -> DecodeStack | None:
@@ -319,8 +319,9 @@ def _load() -> CPUKernels | None:
         logger.warning("could not build the CPU kernels, running plain PyTorch: %s",
                        detail.splitlines()[-1] if detail else e)
         return None
-    return CPUKernels(DecodeKernel(lib), AddRMSNorm(lib), RopeKVWrite(lib),
-                      QuantLinear(lib) if lib.quant_linear_supported() else None, lib)
+    avx512 = lib.has_avx512_bf16()
+    return CPUKernels(DecodeKernel(lib) if avx512 else None, AddRMSNorm(lib), RopeKVWrite(lib),
+                      QuantLinear(lib) if avx512 else None, lib)
 
 
 def cpu_kernels(device: torch.device, dtype: torch.dtype, head_dim: int) -> CPUKernels | None:

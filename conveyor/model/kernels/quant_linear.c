@@ -10,8 +10,8 @@
  * that sum differs. Dequantizing costs ~7-8 cycles a block of 32, so past a few rows the prepacked
  * bfloat16 matmul (AMX) wins; the caller picks by row count.
  *
- * Needs AVX-512 (F, BF16); elsewhere quant_linear_supported() says 0 and the model keeps
- * its bfloat16 linears.
+ * Needs AVX-512 (F, BF16); elsewhere has_avx512_bf16() says 0 (for this kernel and the decode
+ * attention) and the model keeps its bfloat16 linears.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -24,7 +24,7 @@
 #include "bf16.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
-int quant_linear_supported(void) { return 1; }
+int has_avx512_bf16(void) { return 1; }
 
 enum { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8 };  /* ggml's type numbers */
 #define MAX_ROWS 8
@@ -128,7 +128,7 @@ int quant_linear(const uint16_t *x, int64_t x_stride, const uint8_t *w, int64_t 
 }
 
 #else
-int quant_linear_supported(void) { return 0; }
+int has_avx512_bf16(void) { return 0; }
 
 int quant_linear(const uint16_t *x, int64_t x_stride, const uint8_t *w, int64_t row_bytes,
                  int type, const uint16_t *bias, uint16_t *y, int64_t y_stride, int rows, int n,
