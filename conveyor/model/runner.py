@@ -7,6 +7,7 @@ import torch
 
 from conveyor.engine.request import Request
 from conveyor.engine.scheduler import SchedulerOutput
+from conveyor.model import huge_pages
 from conveyor.model.attention import AttentionMetadata, DecodeGroup, PrefillChunk
 from conveyor.model.config import ModelConfig
 from conveyor.model.cpu_kernels import cpu_kernels
@@ -57,8 +58,8 @@ class ModelRunner:
         if can_prepack(device, dtype):
             self.model.prepack()
         shape = (num_blocks, block_size, config.num_kv_heads, config.head_dim)
-        self.kv_caches = [(torch.zeros(shape, dtype=dtype, device=device),
-                           torch.zeros(shape, dtype=dtype, device=device))
+        self.kv_caches = [(huge_pages.zeros(shape, dtype, device),
+                           huge_pages.zeros(shape, dtype, device))
                           for _ in range(config.num_layers)]
         self.cos, self.sin = rope_tables(config, max_model_len, dtype, device)
         self.sampler = Sampler(config.vocab_size, device, seed)

@@ -1,0 +1,36 @@
+"""The KV-cache allocation: zeros, and on Linux marked for huge pages before first use."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+from conveyor.model import huge_pages
+
+
+def vm_flags(address: int) -> list[str]:
+    """The VmFlags of the mapping of this process that holds ``address`` (/proc/self/smaps)."""
+    inside = False
+    for line in open("/proc/self/smaps"):
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            inside = lo <= address < hi
+        elif inside and head == "VmFlags:":
+            return line.split()[1:]
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+def test_zeros_are_zeros():
+    t = huge_pages.zeros((3, 5, 7), torch.bfloat16, torch.device("cpu"))
+    assert t.shape == (3, 5, 7) and t.dtype == torch.bfloat16 and not t.any()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise is Linux's")
+def test_large_tensor_is_advised_huge():
+    t = huge_pages.zeros((16 << 20,), torch.float32, torch.device("cpu"))  # 64 MB
+    assert not t.any()
+    middle = t.data_ptr() + t.numel() * t.element_size() // 2
+    assert "hg" in vm_flags(middle)  # MADV_HUGEPAGE is set on that range
