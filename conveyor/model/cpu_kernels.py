@@ -5,6 +5,7 @@ the system C compiler, cached, and called through ctypes.
   running SDPA reads the cache three times and pads every context to the longest; the kernel
   reads each page once, in place.
 - ``rms_norm.c``: residual add + RMSNorm in one call instead of ~10 small PyTorch ops.
+- ``silu_mul.c``: the feed-forward's SiLU(gate) * up in one pass, written over the gate.
 - ``rope_kv.c``: rotary embedding of q and k and the K/V cache write in one call a layer.
 - ``quant_linear.c``: a linear for a few rows read from a GGUF's Q4_0/Q4_1/Q8_0 blocks (about a
   third, a third and a half of bfloat16's bytes), giving the bfloat16 model's weights bit for bit.
@@ -37,7 +38,8 @@ from conveyor.model.gguf_file import QUANT_BLOCK_BYTES, QuantizedWeight
 logger = logging.getLogger("conveyor")
 
 KERNELS = Path(__file__).with_name("kernels")
-SOURCES = ("paged_decode.c", "rms_norm.c", "rope_kv.c", "quant_linear.c", "decode_stack.c")
+SOURCES = ("paged_decode.c", "rms_norm.c", "silu_mul.c", "rope_kv.c", "quant_linear.c",
+           "decode_stack.c")
 HEAD_DIMS = (64, 128)  # the specialisations paged_decode.c compiles
 # Fast math lets GCC vectorise the dot products and exp; it is not passed when linking, so the
 # library does not switch the whole process to flush-to-zero.
@@ -142,6 +144,24 @@ class AddRMSNorm:
                  weight.data_ptr(), out.data_ptr(), out.stride(0), rows, dim, eps,
                  torch.get_num_threads())
         return out
+
+
+class SiluMul:
+    """``silu_mul`` bound through ctypes: ``F.silu(gate) * up`` from the fused gate/up output."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        fn = lib.silu_mul
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_int]
+        fn.restype = None
+        self._fn = fn
+
+    def __call__(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """gate_up: [rows, 2 * inter] bfloat16, each row's gate then up; overwritten. Returns
+        the products: [rows, inter], a view of the gate's half."""
+        rows, width = gate_up.shape
+        assert gate_up.dtype == torch.bfloat16 and gate_up.stride(1) == 1 and width % 2 == 0
+        self._fn(gate_up.data_ptr(), gate_up.stride(0), rows, width // 2, torch.get_num_threads())
+        return gate_up[:, :width // 2]
 
 
 class RopeKVWrite:
@@ -296,6 +316,7 @@ class DecodeStack:
 class CPUKernels:
     decode_attention: DecodeKernel | None  # None where the CPU lacks AVX-512 BF16
     add_rms_norm: AddRMSNorm
+    silu_mul: SiluMul
     rope_kv_write: RopeKVWrite
     quant_linear: QuantLinear | None      # likewise
     lib: ctypes.CDLL
@@ -320,7 +341,8 @@ def _load() -> CPUKernels | None:
                        detail.splitlines()[-1] if detail else e)
         return None
     avx512 = lib.has_avx512_bf16()
-    return CPUKernels(DecodeKernel(lib) if avx512 else None, AddRMSNorm(lib), RopeKVWrite(lib),
+    return CPUKernels(DecodeKernel(lib) if avx512 else None, AddRMSNorm(lib), SiluMul(lib),
+                      RopeKVWrite(lib),
                       QuantLinear(lib) if avx512 else None, lib)
 
 

@@ -14,7 +14,8 @@ from torch import nn
 
 from conveyor.model.attention import AttentionMetadata, paged_attention, write_kv
 from conveyor.model.config import ModelConfig
-from conveyor.model.cpu_kernels import AddRMSNorm, CPUKernels, DecodeStack, QuantLinear, StackLayer
+from conveyor.model.cpu_kernels import (AddRMSNorm, CPUKernels, DecodeStack, QuantLinear, SiluMul,
+                                        StackLayer)
 from conveyor.model.gguf_file import QuantizedWeight
 
 # The matmuls run fused, one per group: the fused name and its parts, in order.
@@ -149,6 +150,8 @@ class Attention(nn.Module):
 
 
 class FeedForward(nn.Module):
+    silu_mul: SiluMul | None = None  # the CPU kernel, when attached
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.intermediate = config.intermediate_size
@@ -156,6 +159,8 @@ class FeedForward(nn.Module):
         self.w2 = Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.silu_mul is not None:
+            return self.w2(self.silu_mul(self.w13(x)))
         gate, up = self.w13(x).split(self.intermediate, dim=-1)
         return self.w2(F.silu(gate) * up)
 
@@ -216,11 +221,13 @@ class Transformer(nn.Module):
                                                       "").float()
         return F.linear(hidden, self.tok_embeddings.weight).float()
 
-    def use_add_rms_norm(self, kernel: AddRMSNorm) -> None:
-        """Run the residual-stream norms (not Qwen3's per-head q/k norms) with the CPU kernel."""
+    def use_elementwise_kernels(self, kernels: CPUKernels) -> None:
+        """Run the residual-stream norms (not Qwen3's per-head q/k norms) and SiLU(gate) * up
+        with the CPU kernels."""
         for layer in self.layers:
-            layer.attention_norm.fused = layer.ffn_norm.fused = kernel
-        self.norm.fused = kernel
+            layer.attention_norm.fused = layer.ffn_norm.fused = kernels.add_rms_norm
+            layer.feed_forward.silu_mul = kernels.silu_mul
+        self.norm.fused = kernels.add_rms_norm
 
     def use_quant_linear(self, kernel: QuantLinear,
                          quantized: dict[str, QuantizedWeight]) -> None:

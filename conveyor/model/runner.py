@@ -67,7 +67,7 @@ class ModelRunner:
         self.decode_kernel = kernels.decode_attention if kernels is not None else None
         self.rope_kv_write = kernels.rope_kv_write if kernels is not None else None
         if kernels is not None:
-            self.model.use_add_rms_norm(kernels.add_rms_norm)
+            self.model.use_elementwise_kernels(kernels)
             if kernels.quant_linear is not None and quantized:
                 self.model.use_quant_linear(kernels.quant_linear, quantized)
                 self.model.use_decode_stack(kernels, self.kv_caches)

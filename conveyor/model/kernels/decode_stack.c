@@ -4,15 +4,12 @@
  * that make it up (each with its Python and dispatch cost) are a quarter of the step. This runs
  * the same layer, in the same order and with the same roundings, as model.TransformerBlock on
  * the CPU bfloat16 path: the fused add + RMSNorm, the GGUF-block linears, the fused rope + KV
- * write and the paged decode attention are the kernels that path calls one by one; only SiLU is
- * computed here (float32, rounded to bfloat16, then the product rounded, as F.silu(g) * u).
+ * write, the paged decode attention and SiLU(gate) * up are the kernels that path calls one by
+ * one.
  */
-#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-
-#include "bf16.h"
 
 int quant_linear(const uint16_t *x, int64_t x_stride, const uint8_t *w, int64_t row_bytes,
                  int type, const uint16_t *bias, uint16_t *y, int64_t y_stride, int rows, int n,
@@ -20,6 +17,7 @@ int quant_linear(const uint16_t *x, int64_t x_stride, const uint8_t *w, int64_t 
 void add_rms_norm(const uint16_t *x, int64_t x_stride, uint16_t *residual,
                   const uint16_t *weight, uint16_t *out, int64_t out_stride, int rows, int dim,
                   float eps, int threads);
+void silu_mul(uint16_t *gu, int64_t stride, int rows, int inter, int threads);
 void rope_kv_write(uint16_t *qk, int64_t qk_stride, const uint16_t *v, int64_t v_stride,
                    const uint16_t *cos, const uint16_t *sin, int64_t cs_stride,
                    const int64_t *slots, uint16_t *k_cache, uint16_t *v_cache, int tokens,
@@ -86,13 +84,7 @@ int decode_stack(const Layer *layers, int num_layers, const Shape *s, uint16_t *
         rc = quant_linear(x, hid, l->w13.blocks, l->w13.row_bytes, l->w13.type, NULL, gu,
                           2 * inter, rows, 2 * inter, hid, threads);
         if (rc) break;
-        for (int r = 0; r < rows; r++) {  /* SiLU(gate) * up, into the gate's half */
-            uint16_t *g = gu + (int64_t)r * 2 * inter, *u = g + inter;
-            for (int j = 0; j < inter; j++) {
-                const float v = bf16_load(g[j]);
-                g[j] = bf16_store(bf16_load(bf16_store(v / (1.0f + expf(-v)))) * bf16_load(u[j]));
-            }
-        }
+        silu_mul(gu, 2 * inter, rows, inter, threads);
         rc = quant_linear(gu, 2 * inter, l->w2.blocks, l->w2.row_bytes, l->w2.type, NULL, h,
                           hid, rows, hid, inter, threads);
     }
