@@ -342,8 +342,7 @@ def _load() -> CPUKernels | None:
         return None
     avx512 = lib.has_avx512_bf16()
     return CPUKernels(DecodeKernel(lib) if avx512 else None, AddRMSNorm(lib), SiluMul(lib),
-                      RopeKVWrite(lib),
-                      QuantLinear(lib) if avx512 else None, lib)
+                      RopeKVWrite(lib), QuantLinear(lib) if avx512 else None, lib)
 
 
 def cpu_kernels(device: torch.device, dtype: torch.dtype, head_dim: int) -> CPUKernels | None:
