@@ -20,4 +20,18 @@ static inline uint16_t bf16_store(float f) {
     return (uint16_t)(u >> 16);
 }
 
+/* The kernels that need AVX-512 (F, BF16) are built where the compiler targets it;
+ * elsewhere their entry points return -1 and has_avx512_bf16() (quant_linear.c) says 0. */
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#define CONVEYOR_AVX512_BF16 1
+#include <immintrin.h>
+
+/* 16 bfloat16 values widened to float32 (exact) */
+static inline __m512 bf16x16_to_f32(__m256i h) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+#else
+#define CONVEYOR_AVX512_BF16 0
+#endif
+
 #endif

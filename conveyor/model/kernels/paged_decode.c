@@ -5,33 +5,26 @@
  * KV head are served by the same read. Scores and the weighted sum of values are kept in
  * float32, as PyTorch's SDPA does for bfloat16 inputs.
  *
- * The context is walked in tiles of 16 tokens: a tile's K (then V) rows of one KV head are
- * widened to float32 once, into a scratch that stays in L1, and every query head of the group
- * works from there. A query's 16 dot products with a tile are summed across lanes together
+ * The context is walked in tiles of 16 tokens: a tile's K (then V) rows of the KV heads a work
+ * item serves are widened to float32 once, into a scratch that stays in L1, and every query
+ * head of those heads' groups works from there. A query's 16 dot products with a tile are summed across lanes together
  * (`sum_each`, ~3 shuffles a score instead of ~8 for one reduction at a time). That keeps the
  * kernel near the speed of reading the cache, which is what bounds it at large batches.
  *
  * Needs AVX-512 (F, BF16), as quant_linear.c: elsewhere has_avx512_bf16() says 0 and the model
- * gathers pages and runs SDPA. OpenMP shares the work out on the runtime PyTorch has already loaded into the
- * process (libgomp.so.1), with PyTorch's thread count.
+ * gathers pages and runs SDPA. OpenMP shares the work out on the runtime PyTorch has already
+ * loaded into the process (libgomp.so.1), with PyTorch's thread count.
  */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 #include <math.h>
 #include <float.h>
-#include <immintrin.h>
 
 #include "bf16.h"
 
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#if CONVEYOR_AVX512_BF16
 #define TILE 16
-
-/* 16 bfloat16 values widened to float32 (exact) */
-static inline __m512 widen16(const uint16_t *p) {
-    const __m512i x = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
-}
 
 /* r[i] = the sum of the 16 lanes of a[i]: pairs are folded together by halving the width
  * (512 -> 256 -> 128 -> 64 -> 32 bits), so each step serves several vectors at once. The last
@@ -76,7 +69,8 @@ static inline void widen_tile(const uint16_t *cache, const int32_t *table, int t
         }
         if (t < n) {
             const uint16_t *src = token_row(cache, table, page, slot, block_size, row);
-            for (int d = 0; d < span; d += 16) _mm512_storeu_ps(f + t * span + d, widen16(src + d));
+            for (int d = 0; d < span; d += 16) _mm512_storeu_ps(f + t * span + d,
+                                 bf16x16_to_f32(_mm256_loadu_si256((const __m256i *)(src + d))));
             if (++slot == block_size) page++, slot = 0;
         } else {
             for (int d = 0; d < span; d += 16) _mm512_storeu_ps(f + t * span + d, _mm512_setzero_ps());
@@ -146,6 +140,8 @@ static inline void attend(const uint16_t *q, const uint16_t *k_cache, const uint
         _mm256_storeu_si256((__m256i *)(out + j), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(acc + j)));
 }
 
+#endif
+
 /* q: row i, head j at q[i * q_stride + j * head_dim]; caches: [num_blocks, block_size,
  * num_kv_heads, head_dim]; block_tables: [n, table_stride] int32; context_lens: [n] int32
  * (tokens to attend to, the new one included, its K/V already written); out like q.
@@ -157,6 +153,9 @@ int paged_decode_attention(const uint16_t *q, int64_t q_stride,
                            const int32_t *context_lens, uint16_t *out, int64_t out_stride,
                            int n, int num_heads, int num_kv_heads, int head_dim,
                            int block_size, float scale, int threads) {
+#if !CONVEYOR_AVX512_BF16
+    return -1;  /* not built for this CPU */
+#else
     if (head_dim != 64 && head_dim != 128) return -1;
     const int group = num_heads / num_kv_heads;
     const int64_t row = (int64_t)num_kv_heads * head_dim;  /* one token of one page */
@@ -193,14 +192,5 @@ int paged_decode_attention(const uint16_t *q, int64_t q_stride,
         free(buf);
     }
     return failed ? -2 : 0;
-}
-#else
-int paged_decode_attention(const uint16_t *q, int64_t q_stride,
-                           const uint16_t *k_cache, const uint16_t *v_cache,
-                           const int32_t *block_tables, int64_t table_stride,
-                           const int32_t *context_lens, uint16_t *out, int64_t out_stride,
-                           int n, int num_heads, int num_kv_heads, int head_dim,
-                           int block_size, float scale, int threads) {
-    return -1;
-}
 #endif
+}

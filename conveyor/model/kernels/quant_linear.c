@@ -16,16 +16,15 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#include <immintrin.h>
 #ifdef _OPENMP
 #include <omp.h>
 #endif
 
 #include "bf16.h"
 
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
-int has_avx512_bf16(void) { return 1; }
+int has_avx512_bf16(void) { return CONVEYOR_AVX512_BF16; }
 
+#if CONVEYOR_AVX512_BF16
 enum { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8 };  /* ggml's type numbers */
 #define MAX_ROWS 8
 #define EXACT (_MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
@@ -38,8 +37,7 @@ static inline float f32_load(const uint8_t *p) {
 
 /* 16 float32 to bfloat16 (round to nearest even), widened back to float32 */
 static inline __m512 round_bf16(__m512 v) {
-    __m256i h = (__m256i)_mm512_cvtneps_pbh(v);
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    return bf16x16_to_f32((__m256i)_mm512_cvtneps_pbh(v));
 }
 
 /* One block's 32 weights, rounded to bfloat16 and held in float32: elements 0-15 in *lo, 16-31
@@ -98,6 +96,7 @@ static inline __attribute__((always_inline)) void rows_times_blocks(
 
 #define CASE(R) case R: rows_times_blocks(R, xf, k, w, row_bytes, type, bias, y, y_stride, \
                                          n0, n1); break;
+#endif
 
 /* y = x w^T (+ bias). x: [rows, k] bfloat16, y: [rows, n] bfloat16 (row strides given), w: n
  * rows of k / 32 blocks of `type`, row_bytes apart; bias: [n] bfloat16 or NULL. Returns -1 for
@@ -105,6 +104,9 @@ static inline __attribute__((always_inline)) void rows_times_blocks(
 int quant_linear(const uint16_t *x, int64_t x_stride, const uint8_t *w, int64_t row_bytes,
                  int type, const uint16_t *bias, uint16_t *y, int64_t y_stride, int rows, int n,
                  int k, int threads) {
+#if !CONVEYOR_AVX512_BF16
+    return -1;  /* not built for this CPU */
+#else
     if ((type != Q4_0 && type != Q4_1 && type != Q8_0) || k % 32 != 0 || rows < 1
             || rows > MAX_ROWS)
         return -1;
@@ -125,14 +127,5 @@ int quant_linear(const uint16_t *x, int64_t x_stride, const uint8_t *w, int64_t 
     }
     free(xf);
     return 0;
-}
-
-#else
-int has_avx512_bf16(void) { return 0; }
-
-int quant_linear(const uint16_t *x, int64_t x_stride, const uint8_t *w, int64_t row_bytes,
-                 int type, const uint16_t *bias, uint16_t *y, int64_t y_stride, int rows, int n,
-                 int k, int threads) {
-    return -1;
-}
 #endif
+}
