@@ -2,8 +2,8 @@
 
 Fills a batch with ``--batch`` requests of ``--context`` prompt tokens, lets them all reach
 decode, then times ``--steps`` decode steps through ``LLMEngine.step`` with each phase clocked:
-scheduling, input preparation, the network (linears, attention and the rest, or, at a few
-requests on the CPU, all layers in one kernel call), logits, sampling, and the engine's own
+scheduling, input preparation, the network (linears, attention and the rest, or, for a
+decode-only step on the CPU, all layers in one kernel call), logits, sampling, and the engine's own
 bookkeeping (advance, detokenize, outputs). In the same run it times the
 model's own linear layers alone at the same M (``F.linear`` on its weights), so the step's
 linear FLOPs can be set against the rate the linears reach by themselves.
@@ -99,15 +99,23 @@ def main() -> None:
                    help="also print torch.profiler's top ROWS ops by self CPU time (5 steps)")
     p.add_argument("--quant-linear-rows", type=int, default=None, metavar="N",
                    help="read linears from the GGUF's blocks up to N rows (0: never; default: "
-                        f"{QuantLinear.max_rows})")
+                        f"{QuantLinear.AMX_ROWS} with AMX, else {QuantLinear.FMA_ROWS})")
+    p.add_argument("--decode-stack-rows", type=int, default=None, metavar="N",
+                   help="run decode steps of up to N requests through decode_stack (0: never; "
+                        "default: as many as the block linears take)")
     args = p.parse_args()
-    if args.quant_linear_rows is not None:
-        QuantLinear.max_rows = args.quant_linear_rows
     engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, max_num_seqs=args.batch,
                                     max_num_batched_tokens=max(2048, args.batch),
                                     enable_prefix_caching=False, threads=args.threads,
                                     num_kv_blocks=args.batch * (-(-args.context // 16) + 8),
                                     max_model_len=args.context + 16 * 8))
+    model = engine.runner.model
+    if args.quant_linear_rows is not None:
+        for mod in model.layers.modules():
+            if getattr(mod, "quant_linear", None) is not None:
+                mod.quant_linear.max_rows = args.quant_linear_rows
+    if args.decode_stack_rows is not None and model.decode_stack is not None:
+        model.decode_stack.max_rows = args.decode_stack_rows
     vocab = engine.model_config.vocab_size
     gen = torch.Generator().manual_seed(0)
     for i in range(args.batch):
@@ -120,7 +128,7 @@ def main() -> None:
         engine.step()
 
     spent: dict[str, float] = defaultdict(float)
-    runner, model = engine.runner, engine.runner.model
+    runner = engine.runner
     clock(engine.scheduler, "schedule", spent, "schedule")
     clock(runner, "_prepare", spent, "prepare inputs")
     clock(model, "compute_logits", spent, "logits (lm_head)")

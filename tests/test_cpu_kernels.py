@@ -170,12 +170,26 @@ def quant_kernel():
     return kernels.quant_linear
 
 
+@pytest.fixture(params=["AMX", "FMA"])
+def block_kernel(request):
+    """The block linear with AMX (where the machine has it) and with AVX-512 FMAs."""
+    kernel = quant_kernel()
+    if request.param == "AMX":
+        kernel.set_amx(True)
+        if not kernel.amx:
+            pytest.skip("no AMX here (CPU, compiler or kernel)")
+    else:
+        kernel.set_amx(False)
+    yield kernel
+    kernel.set_amx(True)
+
+
 @pytest.mark.parametrize("qtype", [gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q4_1,
                                    gguf.GGMLQuantizationType.Q8_0])
-def test_quant_linear_reads_the_loaders_bf16_weights(qtype):
-    kernel = quant_kernel()
+@pytest.mark.parametrize("n, k", [(96, 160), (40, 64)])  # AMX: strips of 32 rows, the last partial
+def test_quant_linear_reads_the_loaders_bf16_weights(block_kernel, qtype, n, k):
+    kernel = block_kernel
     gen = np.random.default_rng(int(qtype))
-    n, k = 96, 160
     # Scales spanning several binades, so the float32 d * q + m often needs rounding.
     w = (gen.standard_normal((n, k)) * np.exp(gen.uniform(-4, 2, (n, 1)))).astype(np.float32)
     blocks = gguf.quants.quantize(w, qtype)
@@ -183,28 +197,32 @@ def test_quant_linear_reads_the_loaders_bf16_weights(qtype):
     # What the loader makes of these blocks (numpy dequantization, then bfloat16).
     expected = torch.from_numpy(gguf.quants.dequantize(blocks, qtype).reshape(n, k)).bfloat16()
 
-    # One-hot rows read single weights out: equal bit for bit, up to 8 rows a call.
-    for start in range(0, k, 8):
-        rows = min(8, k - start)
+    # One-hot rows read single weights out: equal bit for bit (the FMA kernel takes 8 rows a
+    # call, AMX all of them).
+    chunk = k if kernel.amx else 8
+    for start in range(0, k, chunk):
+        rows = min(chunk, k - start)
         x = torch.zeros(rows, k, dtype=torch.bfloat16)
         x[torch.arange(rows), start + torch.arange(rows)] = 1
         assert torch.equal(kernel(x, weight), expected[:, start:start + rows].T)
 
     # Random rows (strided, as a slice of a wider activation) and a bias: F.linear's result up
-    # to the order of the float32 sum.
-    wide = torch.randn(5, k + 32, dtype=torch.bfloat16)
+    # to the order of the float32 sum. With AMX: partial tiles of 16 rows and pairs of them.
+    row_counts = (1, 2, 5, 16, 17, 33, 70) if kernel.amx else (1, 2, 5)
+    wide = torch.randn(max(row_counts), k + 32, dtype=torch.bfloat16)
     x = wide[:, 16:16 + k]
     bias = torch.randn(n, dtype=torch.bfloat16)
-    for rows in (1, 2, 5):
+    for rows in row_counts:
         got = kernel(x[:rows], weight, bias).float()
         want = F.linear(x[:rows].float(), expected.float(), bias.float())
         torch.testing.assert_close(got, want, rtol=2 ** -7, atol=1e-2)
-    with pytest.raises(ValueError):
-        kernel(torch.randn(9, k, dtype=torch.bfloat16), weight)
+    if not kernel.amx:
+        with pytest.raises(ValueError):
+            kernel(torch.randn(9, k, dtype=torch.bfloat16), weight)
 
 
-def test_linear_reads_blocks_only_for_a_few_rows():
-    kernel = quant_kernel()
+def test_linear_reads_blocks_only_up_to_max_rows(block_kernel):
+    kernel = block_kernel
     qtype = gguf.GGMLQuantizationType.Q4_1
     w = np.random.default_rng(0).standard_normal((64, 128)).astype(np.float32)
     blocks = gguf.quants.quantize(w, qtype)

@@ -7,10 +7,12 @@ the system C compiler, cached, and called through ctypes.
 - ``rms_norm.c``: residual add + RMSNorm in one call instead of ~10 small PyTorch ops.
 - ``silu_mul.c``: the feed-forward's SiLU(gate) * up in one pass, written over the gate.
 - ``rope_kv.c``: rotary embedding of q and k and the K/V cache write in one call a layer.
-- ``quant_linear.c``: a linear for a few rows read from a GGUF's Q4_0/Q4_1/Q8_0 blocks (about a
-  third, a third and a half of bfloat16's bytes), giving the bfloat16 model's weights bit for bit.
-- ``decode_stack.c``: all decoder layers of a decode step with a few requests in one call, made
-  of the kernels above, so that such a step pays no per-op Python cost.
+- ``quant_linear.c``: a linear read from a GGUF's Q4_0/Q4_1/Q8_0 blocks (about a third, a third
+  and a half of bfloat16's bytes), giving the bfloat16 model's weights bit for bit: with AMX
+  tiles up to 512 rows, else with AVX-512 FMAs for a few rows.
+- ``decode_stack.c``: all decoder layers of a decode-only step in one call (any batch the block
+  linear takes; 8 requests without AMX), made of the kernels above, so that such a step pays no
+  per-op Python cost.
 
 They are used for bfloat16 on the CPU when a compiler is there; otherwise (or with
 ``CONVEYOR_CPU_KERNELS=off``) the model runs the plain PyTorch path (gather + SDPA, F.rms_norm),
@@ -195,9 +197,12 @@ class RopeKVWrite:
 class QuantLinear:
     """``quant_linear`` bound through ctypes: ``x @ w.T + bias`` with w in GGUF blocks."""
 
-    # Up to this many rows it beat the prepacked bfloat16 linear by 1.3-1.4x on SmolLM2's layers
-    # (before the scales were widened; dequantizing is compute-bound); at 5-8 rows they tie.
-    max_rows = 4
+    # With AVX-512 FMAs (no AMX): up to this many rows it beat the prepacked bfloat16 linear by
+    # 1.3-1.4x on SmolLM2's layers (dequantizing is compute-bound); at 5-8 rows they tie.
+    FMA_ROWS = 4
+    # With AMX: 0.8x the prepacked linear's time from 1 to 64 rows, ~0.95x up to 512, 1.35x at
+    # 2048 (SmolLM2's layers, alternated runs), where its activation tiles outgrow the L2.
+    AMX_ROWS = 512
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         fn = lib.quant_linear
@@ -205,6 +210,14 @@ class QuantLinear:
         fn.argtypes = [p, i64, p, i64, i32, p, p, i64, i32, i32, i32, i32]
         fn.restype = i32
         self._fn = fn
+        self._set_amx = lib.set_amx
+        self.set_amx(True)
+
+    def set_amx(self, wanted: bool) -> None:
+        """Use AMX where the CPU and OS allow it (the default), or the FMA kernel (for tests
+        and comparisons). Process-wide: the decode stack's linears follow it too."""
+        self.amx = bool(self._set_amx(int(wanted)))
+        self.max_rows = self.AMX_ROWS if self.amx else self.FMA_ROWS
 
     def __call__(self, x: torch.Tensor, weight: QuantizedWeight,
                  bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -262,13 +275,15 @@ class StackLayer:
 class DecodeStack:
     """``decode_stack`` bound to one model's layers: call it with a step's embeddings."""
 
-    # The kernel's limit (MAX_ROWS in quant_linear.c). From 5 to 8 rows its linears only tie
-    # the prepacked matmul, but a step without ~20 Python-side ops a layer still wins: 29.9 vs
-    # 41.2 ms a step at 6 decodes, 35.5 vs 43.5 at 8 (SmolLM2, alternated runs).
-    max_rows = 8
+    # Without AMX, the FMA kernel's limit (MAX_ROWS in quant_linear.c): from 5 to 8 rows its
+    # linears only tie the prepacked matmul, but a step without ~20 Python-side ops a layer
+    # still wins (29.9 vs 41.2 ms a step at 6 decodes, 35.5 vs 43.5 at 8, SmolLM2, alternated).
+    # With AMX, as many rows as the linears take.
+    FMA_ROWS = 8
 
-    def __init__(self, lib: ctypes.CDLL, layers: list[StackLayer], *, heads: int, kv_heads: int,
-                 head_dim: int, intermediate: int, eps: float) -> None:
+    def __init__(self, lib: ctypes.CDLL, layers: list[StackLayer], *, max_rows: int, heads: int,
+                 kv_heads: int, head_dim: int, intermediate: int, eps: float) -> None:
+        self.max_rows = max_rows
         fn = lib.decode_stack
         p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
         fn.argtypes = [p, i32, p, p, p, i32, p, p, p, p, i64, p, i32]
@@ -323,7 +338,9 @@ class CPUKernels:
 
     def decode_stack(self, layers: list[StackLayer], **shape) -> DecodeStack | None:
         """The one-call layer stack over these layers (None without ``quant_linear``)."""
-        return None if self.quant_linear is None else DecodeStack(self.lib, layers, **shape)
+        q = self.quant_linear
+        return None if q is None else DecodeStack(
+            self.lib, layers, max_rows=q.max_rows if q.amx else DecodeStack.FMA_ROWS, **shape)
 
 
 @functools.cache

@@ -1,17 +1,18 @@
-/* A linear layer for a few rows, read straight from llama.cpp's Q4_0, Q4_1 or Q8_0 blocks
- * (as the loader keeps them: each block's fp16 scale, and min, widened to float32 in place).
+/* A linear layer read straight from llama.cpp's Q4_0, Q4_1 or Q8_0 blocks (as the loader keeps
+ * them: each block's fp16 scale, and min, widened to float32 in place).
  *
- * At the batch sizes of a decode step with one or a few requests, a bfloat16 linear is bound by
- * reading its weights: 2 bytes a weight. These blocks hold the same weights in 0.63 (Q4_0),
- * 0.75 (Q4_1) or 1.13 (Q8_0) bytes, so reading them and dequantizing in registers is faster.
- * The weights are dequantized exactly as the loader does (float32 d * q, + m: two roundings, no
- * fused multiply-add) and rounded to bfloat16, so they are the bfloat16 model's weights bit for
- * bit; products are summed in float32 as oneDNN's bfloat16 matmul does, and only the order of
- * that sum differs. Dequantizing costs ~7-8 cycles a block of 32, so past a few rows the prepacked
- * bfloat16 matmul (AMX) wins; the caller picks by row count.
+ * At the batch sizes of a decode step a bfloat16 linear is bound by reading its weights: 2 bytes
+ * a weight. These blocks hold the same weights in 0.63 (Q4_0), 0.75 (Q4_1) or 1.13 (Q8_0)
+ * bytes, so reading them and dequantizing on the fly is faster. The weights are dequantized
+ * exactly as the loader does (float32 d * q, + m: two roundings, no fused multiply-add) and
+ * rounded to bfloat16, so they are the bfloat16 model's weights bit for bit; products are summed
+ * in float32 as oneDNN's bfloat16 matmul does, and only the order of that sum differs.
  *
- * Needs AVX-512 (F, BF16); elsewhere has_avx512_bf16() says 0 (for this kernel and the decode
- * attention) and the model keeps its bfloat16 linears.
+ * Two ways to multiply: with AMX tiles (Sapphire Rapids on), for any row count, where the
+ * dequantizing costs the same at 1 row as at 64; elsewhere with AVX-512 FMAs for up to 8 rows,
+ * where each row costs two FMAs a block and past a few rows the prepacked bfloat16 matmul wins
+ * (the caller picks by row count). Needs AVX-512 (F, BF16); elsewhere has_avx512_bf16() says 0
+ * (for this kernel and the decode attention) and the model keeps its bfloat16 linears.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -23,6 +24,7 @@
 #include "bf16.h"
 
 int has_avx512_bf16(void) { return CONVEYOR_AVX512_BF16; }
+int has_amx(void);
 
 #if CONVEYOR_AVX512_BF16
 enum { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8 };  /* ggml's type numbers */
@@ -94,6 +96,260 @@ static inline __attribute__((always_inline)) void rows_times_blocks(
     }
 }
 
+/* ---- Many rows: AMX. ----
+ * The weights are the tiles' A operand: sixteen output rows' blocks, dequantized to bfloat16
+ * in their natural order, are one 16 x 32 tile, so no weight is shuffled. The activations are the
+ * B operand, transposed once a call into bfloat16 pairs ("VNNI": row i of a tile holds x[m][2i],
+ * x[m][2i+1] for 16 rows m), and the 16 x 16 float32 results are transposed back on the way out.
+ * Dequantizing a block (~11 vector ops, ~2.5-4 ns here) costs the same at any row count, while a
+ * tile product (16 x 16 x 32) takes ~8-16 ns: up to ~64 rows the dequantizing is most of it. */
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#define AMX_BUILT 1
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} __attribute__((packed)) TileConfig;
+
+/* 16 rows of 16 dwords (64 bytes) at src, src_stride bytes apart, transposed into dst. */
+static inline void transpose16(const void *src, int64_t src_stride, void *dst,
+                               int64_t dst_stride) {
+    __m512i r[16], t[16];
+    for (int i = 0; i < 16; i++) r[i] = _mm512_loadu_si512((const char *)src + i * src_stride);
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) {
+        r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+        r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+        r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+        r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+    }
+    /* now r[4g + j] holds, in each 128-bit lane L, column 4L.. of rows 4g..4g+3 at index j */
+    for (int i = 0; i < 4; i++) {
+        t[i] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0x88);
+        t[i + 4] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0xdd);
+        t[i + 8] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0x88);
+        t[i + 12] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0xdd);
+    }
+    for (int i = 0; i < 4; i++) {
+        r[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88);
+        r[i + 4] = _mm512_shuffle_i32x4(t[i + 4], t[i + 12], 0x88);
+        r[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xdd);
+        r[i + 12] = _mm512_shuffle_i32x4(t[i + 4], t[i + 12], 0xdd);
+    }
+    for (int i = 0; i < 16; i++) _mm512_storeu_si512((char *)dst + i * dst_stride, r[i]);
+}
+
+static int amx_permitted = -1;
+
+/* Linux hands out the 8 KB of tile state only to a process that asks (once, for all threads). */
+static int amx_usable(void) {
+    if (amx_permitted < 0)  /* ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA */
+        amx_permitted = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+    return amx_permitted;
+}
+
+/* The activations as B tiles: for m tile t and block j, 16 rows (pairs of k) of 16 dwords (one
+ * per activation row, zero past `rows`), at xb + (t * blocks + j) * 256. */
+static void activations_to_tiles(const uint16_t *x, int64_t x_stride, int rows, int k,
+                                 uint32_t *xb) {
+    const int blocks = k / 32, tiles = (rows + 15) / 16;
+    #pragma omp for schedule(static)
+    for (int i = 0; i < tiles * blocks; i++) {
+        const int t = i / blocks, j = i % blocks, m0 = 16 * t;
+        const uint16_t *src = x + m0 * x_stride + 32 * j;
+        int64_t stride = 2 * x_stride;
+        uint16_t pad[16 * 32];
+        if (m0 + 16 > rows) {  /* the last, partial tile: its missing rows are zero */
+            memset(pad, 0, sizeof pad);
+            for (int m = m0; m < rows; m++)
+                memcpy(pad + 32 * (m - m0), x + m * x_stride + 32 * j, 64);
+            src = pad;
+            stride = 64;
+        }
+        transpose16(src, stride, xb + (int64_t)i * 256, 64);
+    }
+}
+
+/* One 16 x 16 float32 result tile (rows: 16 outputs from n0, columns: 16 activation rows from
+ * m0), transposed, biased, rounded to bfloat16 and stored where both are in range. */
+static void store_tile(const float *c, const uint16_t *bias, uint16_t *y, int64_t y_stride,
+                       int m0, int rows, int n0, int n) {
+    if (n0 >= n) return;
+    float ct[256] __attribute__((aligned(64)));
+    transpose16(c, 64, ct, 64);
+    const __mmask16 mask = n - n0 >= 16 ? 0xffff : (__mmask16)((1u << (n - n0)) - 1);
+    const __m512 b = bias != NULL ? bf16x16_to_f32(_mm256_maskz_loadu_epi16(mask, bias + n0))
+                                  : _mm512_setzero_ps();
+    for (int i = 0; i < 16 && m0 + i < rows; i++) {
+        const __m512 v = _mm512_add_ps(_mm512_load_ps(ct + 16 * i), b);
+        _mm256_mask_storeu_epi16(y + (m0 + i) * y_stride + n0, mask,
+                                 (__m256i)_mm512_cvtneps_pbh(v));
+    }
+}
+
+/* One block's 32 weights in bfloat16, in order. A 4-bit block's 16 values are rounded as in
+ * dequant_block and written twice over 32 words, so that vpermw, which reads 5 bits of each
+ * index, picks the right one by the nibble whatever the bit above it. */
+static inline __m512i dequant_block_bf16(const uint8_t *b, int type) {
+    if (type == Q8_0) {
+        __m512 lo, hi;
+        dequant_block(b, type, &lo, &hi);
+        return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
+    }
+    const int has_min = type == Q4_1;
+    const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512 q = has_min ? iota : _mm512_sub_ps(iota, _mm512_set1_ps(8.0f));
+    __m512 table = _mm512_mul_round_ps(q, _mm512_set1_ps(f32_load(b)), EXACT);
+    if (has_min) table = _mm512_add_round_ps(table, _mm512_set1_ps(f32_load(b + 4)), EXACT);
+    const __m512i twice = (__m512i)_mm512_cvtne2ps_pbh(table, table);
+    const __m128i bytes = _mm_loadu_si128((const __m128i *)(b + 4 + 4 * has_min));
+    /* words 0-15: bytes j (low nibble: element j); words 16-31: bytes j >> 4 (element j + 16) */
+    const __m512i index = _mm512_cvtepu8_epi16(
+        _mm256_inserti128_si256(_mm256_castsi128_si256(bytes), _mm_srli_epi16(bytes, 4), 1));
+    return _mm512_permutexvar_epi16(index, twice);
+}
+
+/* Result tiles 0-3 (see quant_matmul_amx) stored; 1 and 3 when `both` m tiles exist. */
+static void store_results(float *c, const uint16_t *bias, uint16_t *y, int64_t y_stride,
+                          int m0, int rows, int n0, int n, int both) {
+    _tile_stored(0, c, 64); store_tile(c, bias, y, y_stride, m0, rows, n0, n);
+    _tile_stored(2, c, 64); store_tile(c, bias, y, y_stride, m0, rows, n0 + 16, n);
+    if (!both) return;
+    _tile_stored(1, c, 64); store_tile(c, bias, y, y_stride, m0 + 16, rows, n0, n);
+    _tile_stored(3, c, 64); store_tile(c, bias, y, y_stride, m0 + 16, rows, n0 + 16, n);
+}
+
+/* Where dequantizing a strip (32 weight rows, from n0, into bfloat16) has got to. Strips are
+ * dequantized a few blocks at a time between the tile products of the previous one, so that the
+ * vector units and the tile unit work at once. */
+typedef struct {
+    const uint8_t *row;  /* the current row's blocks */
+    uint16_t *out;       /* its bfloat16 row in the strip */
+    int r, j, rows;      /* row in the strip, block in the row, rows that exist (< n) */
+} StripCursor;
+
+static inline void strip_start(StripCursor *c, const uint8_t *w, int64_t row_bytes, int n0,
+                               int n, uint16_t *strip) {
+    c->row = w + (int64_t)n0 * row_bytes;
+    c->out = strip;
+    c->r = c->j = 0;
+    c->rows = n - n0 < 32 ? n - n0 : 32;
+}
+
+/* Up to `count` more blocks; rows past n are zero. */
+static inline void strip_advance(StripCursor *c, int count, int type, int64_t row_bytes, int k) {
+    const int bb = block_bytes(type), blocks = k / 32;
+    for (; count > 0 && c->r < 32; count--) {
+        _mm512_store_si512(c->out + 32 * c->j, c->r < c->rows
+                           ? dequant_block_bf16(c->row + (int64_t)c->j * bb, type)
+                           : _mm512_setzero_si512());
+        if (++c->j == blocks) {
+            c->j = 0;
+            c->r++;
+            c->row += row_bytes;
+            c->out += k;
+        }
+    }
+}
+
+/* Tiles: 0-3 results (n tile 0 x m tiles t, t + 1; n tile 1 x the same), 4-5 weights, 6-7
+ * activations. Each loaded tile feeds two products, and the next block's loads wait on one
+ * product, not on all of them (tiles are not renamed). */
+static int quant_matmul_amx(const uint16_t *x, int64_t x_stride, const uint8_t *w,
+                            int64_t row_bytes, int type, const uint16_t *bias, uint16_t *y,
+                            int64_t y_stride, int rows, int n, int k, int threads) {
+    const int blocks = k / 32, m_tiles = (rows + 15) / 16, strips = (n + 31) / 32;
+    /* Blocks of the next strip to dequantize after each product: a few at a time, so that the
+     * products waiting on the tile unit never fill the reorder buffer. */
+    const int slice = (32 + 4 * ((m_tiles + 1) / 2) - 1) / (4 * ((m_tiles + 1) / 2));
+    uint32_t *xb = aligned_alloc(64, (size_t)m_tiles * blocks * 1024);
+    if (xb == NULL) return -2;
+    int failed = 0;
+    #pragma omp parallel num_threads(threads)
+    {
+        StripCursor cur = {0};
+        int nt = 1, t_id = 0;
+#ifdef _OPENMP
+        nt = omp_get_num_threads();
+        t_id = omp_get_thread_num();
+#endif
+        activations_to_tiles(x, x_stride, rows, k, xb);  /* ends with a barrier */
+        uint16_t *a = aligned_alloc(64, (size_t)128 * k);  /* two strips */
+        float c[256] __attribute__((aligned(64)));
+        TileConfig cfg = {0};
+        cfg.palette = 1;
+        for (int i = 0; i < 8; i++) cfg.rows[i] = 16, cfg.colsb[i] = 64;
+        _tile_loadconfig(&cfg);
+        const int per = (strips + nt - 1) / nt, s0 = t_id * per;
+        const int s1 = s0 + per < strips ? s0 + per : strips;
+        if (a == NULL) failed = 1;
+        else if (s0 < s1) {
+            strip_start(&cur, w, row_bytes, 32 * s0, n, a);
+            strip_advance(&cur, 32 * blocks, type, row_bytes, k);
+        }
+        for (int s = s0; a != NULL && s < s1; s++) {
+            const uint16_t *strip = a + (s - s0) % 2 * 32 * k;
+            const int n0 = 32 * s, next = s + 1 < s1;
+            if (next) strip_start(&cur, w, row_bytes, n0 + 32, n, a + (s + 1 - s0) % 2 * 32 * k);
+            for (int t = 0; t < m_tiles; t += 2) {
+                const int both = t + 1 < m_tiles;
+                const uint32_t *b = xb + (int64_t)t * blocks * 256;
+                _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+                for (int j = 0; j < blocks; j++, b += 256) {
+                    const int q = next ? slice : 0;
+                    _tile_loadd(4, strip + 32 * j, 2 * k);
+                    _tile_loadd(6, b, 64);
+                    _tile_dpbf16ps(0, 4, 6);
+                    strip_advance(&cur, q, type, row_bytes, k);
+                    _tile_loadd(5, strip + 16 * k + 32 * j, 2 * k);
+                    _tile_dpbf16ps(2, 5, 6);
+                    strip_advance(&cur, q, type, row_bytes, k);
+                    if (both) {
+                        _tile_loadd(7, b + blocks * 256, 64);
+                        _tile_dpbf16ps(1, 4, 7);
+                        _tile_dpbf16ps(3, 5, 7);
+                    }
+                    strip_advance(&cur, 2 * q, type, row_bytes, k);
+                }
+                store_results(c, bias, y, y_stride, 16 * t, rows, n0, n, both);
+            }
+            if (next) strip_advance(&cur, 32 * blocks, type, row_bytes, k);  /* any rest */
+        }
+        _tile_release();
+        free(a);
+    }
+    free(xb);
+    return failed ? -2 : 0;
+}
+#else
+#define AMX_BUILT 0
+#endif
+
+static int amx_wanted = 1;
+
+/* Whether quant_linear multiplies with AMX here (any row count) rather than with AVX-512 FMAs
+ * (up to MAX_ROWS rows). */
+int has_amx(void) {
+#if AMX_BUILT
+    return amx_wanted && amx_usable();
+#else
+    return 0;
+#endif
+}
+
+/* AMX off (0) or back on where it can be (1), for the whole process: lets tests and benchmarks
+ * run the FMA kernel on a machine with AMX. Returns has_amx(). */
+int set_amx(int wanted) {
+    amx_wanted = wanted;
+    return has_amx();
+}
+
 #define CASE(R) case R: rows_times_blocks(R, xf, k, w, row_bytes, type, bias, y, y_stride, \
                                          n0, n1); break;
 #endif
@@ -107,9 +363,14 @@ int quant_linear(const uint16_t *x, int64_t x_stride, const uint8_t *w, int64_t 
 #if !CONVEYOR_AVX512_BF16
     return -1;  /* not built for this CPU */
 #else
-    if ((type != Q4_0 && type != Q4_1 && type != Q8_0) || k % 32 != 0 || rows < 1
-            || rows > MAX_ROWS)
+    if ((type != Q4_0 && type != Q4_1 && type != Q8_0) || k % 32 != 0 || rows < 1)
         return -1;
+#if AMX_BUILT
+    if (has_amx())
+        return quant_matmul_amx(x, x_stride, w, row_bytes, type, bias, y, y_stride, rows, n, k,
+                                threads);
+#endif
+    if (rows > MAX_ROWS) return -1;
     float *xf = malloc(sizeof(float) * rows * k);  /* the activations in float32, once */
     if (xf == NULL) return -2;
     for (int r = 0; r < rows; r++)
