@@ -103,6 +103,8 @@ def main() -> None:
     p.add_argument("--decode-stack-rows", type=int, default=None, metavar="N",
                    help="run decode steps of up to N requests through decode_stack (0: never; "
                         "default: as many as the block linears take)")
+    p.add_argument("--no-amx", action="store_true",
+                   help="the block linears with AVX-512 FMAs instead of AMX (to compare)")
     args = p.parse_args()
     engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, max_num_seqs=args.batch,
                                     max_num_batched_tokens=max(2048, args.batch),
@@ -110,6 +112,10 @@ def main() -> None:
                                     num_kv_blocks=args.batch * (-(-args.context // 16) + 8),
                                     max_model_len=args.context + 16 * 8))
     model = engine.runner.model
+    kernel = next((mod.quant_linear for mod in model.layers.modules()
+                   if getattr(mod, "quant_linear", None) is not None), None)
+    if args.no_amx and kernel is not None:
+        kernel.set_amx(False)
     if args.quant_linear_rows is not None:
         for mod in model.layers.modules():
             if getattr(mod, "quant_linear", None) is not None:

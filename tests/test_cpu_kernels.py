@@ -276,3 +276,14 @@ def test_decode_stack_matches_the_layers(monkeypatch, default_gguf_path):
         differing.append((diff > 0).float().mean().item())
     assert sum(differing) / len(differing) < 0.2
     assert differing.count(0.0) >= len(differing) // 2
+
+
+def test_argmax_rows_finds_the_first_maximum():
+    argmax = built_kernels(64).argmax_rows
+    gen = torch.Generator().manual_seed(0)
+    for cols in (1, 15, 16, 17, 49152 + 5):
+        # Few distinct values, so most rows have their maximum more than once.
+        x = torch.randint(-3, 4, (9, cols + 8), generator=gen).float()[:, 3:3 + cols]
+        x[0] = float("-inf")  # every logit masked: index 0, as torch
+        x[1, -1] = 100.0      # the maximum in the last, partial vector
+        assert torch.equal(argmax(x), x.argmax(dim=-1))

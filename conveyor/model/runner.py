@@ -62,8 +62,9 @@ class ModelRunner:
                            huge_pages.zeros(shape, dtype, device))
                           for _ in range(config.num_layers)]
         self.cos, self.sin = rope_tables(config, max_model_len, dtype, device)
-        self.sampler = Sampler(config.vocab_size, device, seed)
         kernels = cpu_kernels(device, dtype, config.head_dim)
+        self.sampler = Sampler(config.vocab_size, device, seed,
+                               first_max if kernels is None else kernels.argmax_rows)
         self.decode_kernel = kernels.decode_attention if kernels is not None else None
         self.rope_kv_write = kernels.rope_kv_write if kernels is not None else None
         if kernels is not None:

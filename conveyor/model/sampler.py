@@ -4,6 +4,7 @@ tokens do not depend on what else is in the batch."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -20,8 +21,16 @@ class SampleResult:
     logprobs: list[tuple[int, float, int]] | None = None
 
 
+def first_max(x: torch.Tensor) -> torch.Tensor:
+    """Each row's first maximum, as ``argmax(dim=-1)``, which is slower on the CPU."""
+    return x.max(dim=-1).indices
+
+
 class Sampler:
-    def __init__(self, vocab_size: int, device: torch.device, seed: int) -> None:
+    def __init__(self, vocab_size: int, device: torch.device, seed: int,
+                 argmax: Callable[[torch.Tensor], torch.Tensor] = first_max) -> None:
+        """argmax: each row's first maximum of float32 [B, V] (the CPU kernel, where built)."""
+        self.argmax = argmax
         self.vocab_size = vocab_size
         self.device = device
         self.generator = torch.Generator(device=device).manual_seed(seed)
@@ -54,7 +63,7 @@ class Sampler:
             logits = self._apply_penalties(logits, requests)
 
         greedy = torch.tensor([p.greedy for p in params], device=logits.device)
-        tokens = logits.max(dim=-1).indices  # the first maximum, as argmax; faster on the CPU
+        tokens = self.argmax(logits)
         if not bool(greedy.all()):
             tokens = torch.where(greedy, tokens, self._sample(logits, requests))
 
@@ -145,4 +154,4 @@ class Sampler:
             gen = self._generator(r)
             if gen is not None:
                 noise[i].exponential_(generator=gen)
-        return (probs / noise).argmax(dim=-1)
+        return self.argmax(probs / noise)
