@@ -1,7 +1,8 @@
-"""KV caches on transparent huge pages (Linux, CPU).
+"""KV caches and GGUF weight blocks on transparent huge pages (Linux, CPU).
 
 Decode attention reads each request's pages, which lie anywhere in a pool of hundreds of MB, a
-few KB at a time: with 4 KB pages nearly every read of a KV page also misses the TLB. Asking the
+few KB at a time: with 4 KB pages nearly every read of a KV page also misses the TLB (and the
+block linears stream every layer's weights each step). Asking the
 kernel for 2 MB pages (``madvise(MADV_HUGEPAGE)``, honoured where
 ``/sys/kernel/mm/transparent_hugepage/enabled`` is ``always`` or ``madvise``) before the pool is
 first touched removes most of those misses.
