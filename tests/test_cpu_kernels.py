@@ -251,7 +251,7 @@ def test_decode_stack_matches_the_layers(monkeypatch, default_gguf_path):
     from conveyor import LLM, SamplingParams
     from conveyor.model.model import Transformer
 
-    llm = LLM(model=default_gguf_path, dtype="bfloat16", max_num_seqs=4)
+    llm = LLM(model=default_gguf_path, dtype="bfloat16", max_num_seqs=8)
     assert llm.engine.runner.model.decode_stack is not None
     forward, compared = Transformer.forward, []
 
@@ -266,7 +266,10 @@ def test_decode_stack_matches_the_layers(monkeypatch, default_gguf_path):
         return layers
 
     monkeypatch.setattr(Transformer, "forward", both)
-    llm.generate(["The capital of France is", "Once upon a time", "def f(x):"],
+    # Six decodes a step: past the FMA kernel's first rows, so AMX runs the stack's linears
+    # where the machine has it.
+    llm.generate(["The capital of France is", "Once upon a time", "def f(x):", "1, 2, 3,",
+                  "Water boils at", "import numpy as"],
                  SamplingParams(temperature=0, max_tokens=10, ignore_eos=True), use_tqdm=False)
     assert len(compared) == 9
     differing = []
