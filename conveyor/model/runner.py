@@ -13,7 +13,7 @@ from conveyor.model.config import ModelConfig
 from conveyor.model.cpu_kernels import cpu_kernels
 from conveyor.model.gguf_file import QuantizedWeight
 from conveyor.model.model import Transformer, can_prepack, rope_tables
-from conveyor.model.sampler import SampleResult, Sampler
+from conveyor.model.sampler import SampleResult, Sampler, first_max
 
 
 # A decode group is cut where a context needs this many times the pages of the group's shortest
