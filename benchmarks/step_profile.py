@@ -27,7 +27,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from conveyor.config import EngineConfig  # noqa: E402
 from conveyor.engine.engine import LLMEngine  # noqa: E402
 from conveyor.model import model as model_module  # noqa: E402
-from conveyor.model.cpu_kernels import QuantLinear  # noqa: E402
+from conveyor.model.cpu_kernels import DecodeStack, QuantLinear  # noqa: E402
 from conveyor.model.model import can_prepack  # noqa: E402
 from conveyor.sampling_params import SamplingParams  # noqa: E402
 
@@ -116,6 +116,8 @@ def main() -> None:
                    if getattr(mod, "quant_linear", None) is not None), None)
     if args.no_amx and kernel is not None:
         kernel.set_amx(False)
+        if model.decode_stack is not None:  # its row limit was fixed when it was built
+            model.decode_stack.max_rows = min(model.decode_stack.max_rows, DecodeStack.FMA_ROWS)
     if args.quant_linear_rows is not None:
         for mod in model.layers.modules():
             if getattr(mod, "quant_linear", None) is not None:

@@ -236,7 +236,8 @@ class QuantLinear:
 
     def set_amx(self, wanted: bool) -> None:
         """Use AMX where the CPU and OS allow it (the default), or the FMA kernel (for tests
-        and comparisons). Process-wide: the decode stack's linears follow it too."""
+        and comparisons). Process-wide: the decode stack's linears follow it too, but a stack
+        already built keeps its row limit (``DecodeStack.FMA_ROWS`` without AMX)."""
         self.amx = bool(self._set_amx(int(wanted)))
         self.max_rows = self.AMX_ROWS if self.amx else self.FMA_ROWS
 

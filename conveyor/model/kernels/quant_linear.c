@@ -8,10 +8,10 @@
  * rounded to bfloat16, so they are the bfloat16 model's weights bit for bit; products are summed
  * in float32 as oneDNN's bfloat16 matmul does, and only the order of that sum differs.
  *
- * Two ways to multiply: with AMX tiles (Sapphire Rapids on), for any row count, where the
- * dequantizing costs the same at 1 row as at 64; elsewhere with AVX-512 FMAs for up to 8 rows,
- * where each row costs two FMAs a block and past a few rows the prepacked bfloat16 matmul wins
- * (the caller picks by row count). Needs AVX-512 (F, BF16); elsewhere has_avx512_bf16() says 0
+ * Two ways to multiply: with AMX tiles (Sapphire Rapids on) past FMA_FIRST_ROWS rows, where the
+ * dequantizing costs the same at 5 rows as at 64; otherwise with AVX-512 FMAs for up to 8 rows,
+ * where each row costs two FMAs a block and, without AMX, past a few rows the prepacked bfloat16
+ * matmul wins (the caller picks by row count: QuantLinear.max_rows). Needs AVX-512 (F, BF16); elsewhere has_avx512_bf16() says 0
  * (for this kernel and the decode attention) and the model keeps its bfloat16 linears.
  */
 #include <stdint.h>
@@ -105,7 +105,7 @@ static inline __attribute__((always_inline)) void rows_times_blocks(
  * B operand, transposed once a call into bfloat16 pairs ("VNNI": row i of a tile holds x[m][2i],
  * x[m][2i+1] for 16 rows m), and the 16 x 16 float32 results are transposed back on the way out.
  * Dequantizing a block (~11 vector ops, ~2.5-4 ns here) costs the same at any row count, while a
- * tile product (16 x 16 x 32) takes ~8-16 ns: up to ~64 rows the dequantizing is most of it. */
+ * tile product (16 x 16 x 32) takes ~6-16 ns: up to ~64 rows the dequantizing is most of it. */
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #include <sys/syscall.h>
 #include <unistd.h>
