@@ -338,8 +338,9 @@ static int quant_matmul_amx(const uint16_t *x, int64_t x_stride, const uint8_t *
 
 static int amx_wanted = 1;
 
-/* Whether quant_linear multiplies with AMX here (any row count) rather than with AVX-512 FMAs
- * (up to MAX_ROWS rows). */
+/* Whether quant_linear multiplies with AMX here (past FMA_FIRST_ROWS rows, any number of them)
+ * rather than only with AVX-512 FMAs (up to MAX_ROWS rows). Like quant_linear, only in a build
+ * for AVX-512 BF16. */
 int has_amx(void) {
 #if AMX_BUILT
     return amx_wanted && amx_usable();
