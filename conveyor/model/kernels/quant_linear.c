@@ -11,8 +11,9 @@
  * Two ways to multiply: with AMX tiles (Sapphire Rapids on) past FMA_FIRST_ROWS rows, where the
  * dequantizing costs the same at 5 rows as at 64; otherwise with AVX-512 FMAs for up to 8 rows,
  * where each row costs two FMAs a block and, without AMX, past a few rows the prepacked bfloat16
- * matmul wins (the caller picks by row count: QuantLinear.max_rows). Needs AVX-512 (F, BF16); elsewhere has_avx512_bf16() says 0
- * (for this kernel and the decode attention) and the model keeps its bfloat16 linears.
+ * matmul wins (the caller picks by row count: QuantLinear.max_rows). Needs AVX-512 (F, BF16);
+ * elsewhere has_avx512_bf16() says 0 (for this kernel and the decode attention) and the model
+ * keeps its bfloat16 linears.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -45,27 +46,44 @@ static inline __m512 round_bf16(__m512 v) {
     return bf16x16_to_f32((__m256i)_mm512_cvtneps_pbh(v));
 }
 
+/* The float32 values the loader computes, before bfloat16 rounding. Q8_0: the 32 weights d * q,
+ * elements 0-15 in *lo, 16-31 in *hi. */
+static inline void q8_0_weights(const uint8_t *b, __m512 *lo, __m512 *hi) {
+    const __m512 d = _mm512_set1_ps(f32_load(b));
+    const __m128i *q = (const __m128i *)(b + 4);
+    *lo = _mm512_mul_round_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q))), d,
+                              EXACT);
+    *hi = _mm512_mul_round_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q + 1))), d,
+                              EXACT);
+}
+
+/* A 4-bit block has 16 distinct weights, d * q (+ m): dequantized once into a table, each of the
+ * 32 is picked by its nibble (element j is the low nibble of byte j, element j + 16 its high). */
+static inline __m512 q4_table(const uint8_t *b, int type) {
+    const int has_min = type == Q4_1;
+    const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512 q = has_min ? iota : _mm512_sub_ps(iota, _mm512_set1_ps(8.0f));
+    const __m512 table = _mm512_mul_round_ps(q, _mm512_set1_ps(f32_load(b)), EXACT);
+    return has_min ? _mm512_add_round_ps(table, _mm512_set1_ps(f32_load(b + 4)), EXACT) : table;
+}
+
+/* The 16 bytes of a 4-bit block's nibbles. */
+static inline __m128i q4_nibbles(const uint8_t *b, int type) {
+    return _mm_loadu_si128((const __m128i *)(b + (type == Q4_1 ? 8 : 4)));
+}
+
 /* One block's 32 weights, rounded to bfloat16 and held in float32: elements 0-15 in *lo, 16-31
  * in *hi. (Float32 multiply-adds run 2x the multiply-accumulates of AVX-512 BF16 dot products
  * on this hardware, so the weights are widened rather than the activations narrowed.) */
 static inline void dequant_block(const uint8_t *b, int type, __m512 *lo, __m512 *hi) {
     if (type == Q8_0) {
-        const __m512 d = _mm512_set1_ps(f32_load(b));
-        const __m512 l = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(b + 4))));
-        const __m512 h = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(b + 20))));
-        *lo = round_bf16(_mm512_mul_round_ps(l, d, EXACT));
-        *hi = round_bf16(_mm512_mul_round_ps(h, d, EXACT));
+        q8_0_weights(b, lo, hi);
+        *lo = round_bf16(*lo);
+        *hi = round_bf16(*hi);
         return;
     }
-    /* A 4-bit block has 16 distinct weights: dequantize those once into a table and pick each
-     * of the 32 by its nibble (element j is the low nibble of byte j, element j + 16 its high). */
-    const int has_min = type == Q4_1;
-    const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    const __m512 q = has_min ? iota : _mm512_sub_ps(iota, _mm512_set1_ps(8.0f));
-    __m512 table = _mm512_mul_round_ps(q, _mm512_set1_ps(f32_load(b)), EXACT);
-    if (has_min) table = _mm512_add_round_ps(table, _mm512_set1_ps(f32_load(b + 4)), EXACT);
-    table = round_bf16(table);
-    const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(b + 4 + 4 * has_min)));
+    const __m512 table = round_bf16(q4_table(b, type));
+    const __m512i bytes = _mm512_cvtepu8_epi32(q4_nibbles(b, type));
     *lo = _mm512_permutexvar_ps(bytes, table);  /* vpermps uses the index's low 4 bits only */
     *hi = _mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), table);
 }
@@ -200,20 +218,14 @@ static void store_tile(const float *c, const uint16_t *bias, uint16_t *y, int64_
  * dequant_block and written twice over 32 words, so that vpermw, which reads 5 bits of each
  * index, picks the right one by the nibble whatever the bit above it. */
 static inline __m512i dequant_block_bf16(const uint8_t *b, int type) {
-    if (type == Q8_0) {  /* d * q in float32, then bfloat16: the same two roundings */
-        const __m512 d = _mm512_set1_ps(f32_load(b));
-        const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(b + 4))));
-        const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(b + 20))));
-        return (__m512i)_mm512_cvtne2ps_pbh(_mm512_mul_round_ps(hi, d, EXACT),
-                                            _mm512_mul_round_ps(lo, d, EXACT));
+    if (type == Q8_0) {
+        __m512 lo, hi;
+        q8_0_weights(b, &lo, &hi);
+        return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
     }
-    const int has_min = type == Q4_1;
-    const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    const __m512 q = has_min ? iota : _mm512_sub_ps(iota, _mm512_set1_ps(8.0f));
-    __m512 table = _mm512_mul_round_ps(q, _mm512_set1_ps(f32_load(b)), EXACT);
-    if (has_min) table = _mm512_add_round_ps(table, _mm512_set1_ps(f32_load(b + 4)), EXACT);
+    const __m512 table = q4_table(b, type);
     const __m512i twice = (__m512i)_mm512_cvtne2ps_pbh(table, table);
-    const __m128i bytes = _mm_loadu_si128((const __m128i *)(b + 4 + 4 * has_min));
+    const __m128i bytes = q4_nibbles(b, type);
     /* words 0-15: bytes j (low nibble: element j); words 16-31: bytes j >> 4 (element j + 16) */
     const __m512i index = _mm512_cvtepu8_epi16(
         _mm256_inserti128_si256(_mm256_castsi128_si256(bytes), _mm_srli_epi16(bytes, 4), 1));
