@@ -3,8 +3,8 @@
 Fills a batch with ``--batch`` requests of ``--context`` prompt tokens, lets them all reach
 decode, then times ``--steps`` decode steps through ``LLMEngine.step`` with each phase clocked:
 scheduling, input preparation, the network (linears, attention and the rest, or, for a
-decode-only step on the CPU, all layers in one kernel call), logits, sampling, and the engine's own
-bookkeeping (advance, detokenize, outputs). In the same run it times the
+decode-only step on the CPU, all layers in one kernel call), logits, sampling, and the engine's
+own bookkeeping (advance, detokenize, outputs). In the same run it times the
 model's own linear layers alone at the same M (``F.linear`` on its weights), so the step's
 linear FLOPs can be set against the rate the linears reach by themselves.
 
@@ -118,10 +118,8 @@ def main() -> None:
         kernel.set_amx(False)
         if model.decode_stack is not None:  # its row limit was fixed when it was built
             model.decode_stack.max_rows = min(model.decode_stack.max_rows, DecodeStack.FMA_ROWS)
-    if args.quant_linear_rows is not None:
-        for mod in model.layers.modules():
-            if getattr(mod, "quant_linear", None) is not None:
-                mod.quant_linear.max_rows = args.quant_linear_rows
+    if args.quant_linear_rows is not None and kernel is not None:  # one kernel, every linear's
+        kernel.max_rows = args.quant_linear_rows
     if args.decode_stack_rows is not None and model.decode_stack is not None:
         model.decode_stack.max_rows = args.decode_stack_rows
     vocab = engine.model_config.vocab_size
