@@ -2,14 +2,15 @@
  *
  * One query token per request. Each request's pages are read once, in place: no gather into a
  * contiguous copy, no padding to the batch's longest context, and the query heads that share a
- * KV head are served by the same read. Scores and the weighted sum of values are kept in
- * float32, as PyTorch's SDPA does for bfloat16 inputs.
+ * KV head are served by the same read. Products take the cache's bfloat16 pairs as they are
+ * (vdpbf16ps), scores and sums are float32, and the softmax's weights are rounded to bfloat16
+ * for the weighted sum of values, as PyTorch's CPU flash attention does for bfloat16 inputs.
  *
- * The context is walked in tiles of 16 tokens: a tile's K (then V) rows of the KV heads a work
- * item serves are widened to float32 once, into a scratch that stays in L1, and every query
- * head of those heads' groups works from there. A query's 16 dot products with a tile are summed across lanes together
- * (`sum_each`, ~3 shuffles a score instead of ~8 for one reduction at a time). That keeps the
- * kernel near the speed of reading the cache, which is what bounds it at large batches.
+ * The context is walked in tiles of 16 tokens. A query's 16 dot products with a tile are summed
+ * across lanes together (`sum_each`, ~3 shuffles a score instead of ~8 for one reduction at a
+ * time); a tile's V rows are interleaved in token pairs once, into a scratch that stays in L1,
+ * for every query head of the group. The rows still to come are prefetched a few lines at a time
+ * between the products, since at large batches reading the cache is what bounds the kernel.
  *
  * Needs AVX-512 (F, BF16), as quant_linear.c: elsewhere has_avx512_bf16() says 0 and the model
  * gathers pages and runs SDPA. OpenMP shares the work out on the runtime PyTorch has already
@@ -52,92 +53,176 @@ static inline const uint16_t *token_row(const uint16_t *cache, const int32_t *ta
     return cache + ((int64_t)table[page] * block_size + slot) * row;
 }
 
-/* Tokens t0 .. t0 + n - 1 of a context (n <= 16), `span` values of each cached row (some KV
- * heads' slices), as float32 rows of `span` in f; rows n .. 15 zeroed. Pages lie anywhere in the pool, so the
- * hardware prefetcher cannot see the next tile coming: it is fetched one tile ahead. The page
- * and slot are stepped along, not divided out per token. */
-static inline void widen_tile(const uint16_t *cache, const int32_t *table, int t0, int n,
-                              int len, int block_size, int64_t row, int span, float *f) {
+/* The rows of tokens t0 .. t0 + n - 1 of a context (n <= 16) in rows[], and `zero` for the
+ * rest of the tile. The page and slot are stepped along, not divided out per token. */
+static inline void tile_rows(const uint16_t *cache, const int32_t *table, int t0, int n,
+                             int block_size, int64_t row, const uint16_t *zero,
+                             const uint16_t **rows) {
     int page = t0 / block_size, slot = t0 % block_size;
-    int ahead = t0 + TILE, ahead_page = ahead / block_size, ahead_slot = ahead % block_size;
     for (int t = 0; t < TILE; t++) {
-        if (ahead + t < len) {
-            const char *p = (const char *)token_row(cache, table, ahead_page, ahead_slot,
-                                                    block_size, row);
-            for (int b = 0; b < span * 2; b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
-            if (++ahead_slot == block_size) ahead_page++, ahead_slot = 0;
-        }
         if (t < n) {
-            const uint16_t *src = token_row(cache, table, page, slot, block_size, row);
-            for (int d = 0; d < span; d += 16) _mm512_storeu_ps(f + t * span + d,
-                                 bf16x16_to_f32(_mm256_loadu_si256((const __m256i *)(src + d))));
+            rows[t] = token_row(cache, table, page, slot, block_size, row);
             if (++slot == block_size) page++, slot = 0;
         } else {
-            for (int d = 0; d < span; d += 16) _mm512_storeu_ps(f + t * span + d, _mm512_setzero_ps());
+            rows[t] = zero;
         }
+    }
+}
+
+/* Pages lie anywhere in the pool, so the hardware prefetcher cannot see the next ones coming.
+ * This walks the rows a request will read (its K rows, then its V rows) a line at a time, a
+ * few lines between the products, up to AHEAD tiles past the tile being read: memory is kept
+ * busy all along rather than asked for a whole tile at once and then left idle. Into L2: the
+ * 96+ lines of a tile would crowd L1's fill buffers. */
+#define AHEAD 2
+typedef struct {
+    const uint16_t *caches[2];  /* K, then V */
+    const int32_t *table;
+    int64_t row;                /* values from one token's row to the next */
+    int len, block_size, bytes; /* context, page size, bytes read of each row */
+    int pos, page, slot, byte;  /* next line: token pos (V rows from len on), where, byte */
+    const char *at;             /* that token's row */
+} Prefetcher;
+
+static inline void prefetch_start(Prefetcher *f, const uint16_t *k_cache,
+                                  const uint16_t *v_cache, const int32_t *table, int64_t row,
+                                  int len, int block_size, int bytes) {
+    *f = (Prefetcher){{k_cache, v_cache}, table, row, len, block_size, bytes, 0, 0, 0, 0,
+                      (const char *)token_row(k_cache, table, 0, 0, block_size, row)};
+}
+
+/* Up to `lines` more lines, none past token `limit` (counted as pos is). */
+static inline void prefetch_lines(Prefetcher *f, int lines, int limit) {
+    limit = limit < 2 * f->len ? limit : 2 * f->len;
+    for (; lines > 0 && f->pos < limit; lines--) {
+        _mm_prefetch(f->at + f->byte, _MM_HINT_T2);
+        if ((f->byte += 64) < f->bytes) continue;
+        f->byte = 0;
+        if (++f->pos == f->len) f->page = f->slot = 0;  /* on to the V rows */
+        else if (++f->slot == f->block_size) f->page++, f->slot = 0;
+        if (f->pos < 2 * f->len)
+            f->at = (const char *)token_row(f->caches[f->pos >= f->len], f->table, f->page,
+                                            f->slot, f->block_size, f->row);
     }
 }
 
 /* One request and `heads` consecutive KV heads (whose slices of a cached token are adjacent, so
  * each row is read front to back), each with its `group` query heads: scores against every
- * cached token, softmax, weighted sum of values. head_dim is a compile-time constant in each
- * specialisation, so the loops over it unroll into registers. buf holds heads * group * (2 *
- * dim + padded len) + 16 * heads * dim floats. */
+ * cached token, softmax, weighted sum of values.
+ *
+ * Both products take bfloat16 pairs straight from the cache (vdpbf16ps: exact products, summed
+ * in float32), so nothing is widened. Scores: q . k, then times `scale`. Values: the softmax's
+ * numerators exp(s - max) are rounded to bfloat16 and the sum is divided by their float32 total
+ * at the end, as PyTorch's CPU flash attention does for bfloat16; a tile's V rows are interleaved
+ * in token pairs once (a scratch in L1), so each product takes two tokens of 16 dimensions.
+ * head_dim is a compile-time constant in each specialisation, so the loops over it unroll into
+ * registers. buf: see attend_scratch. */
 static inline void attend(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache,
                           const int32_t *table, int len, uint16_t *out, int heads, int group,
                           const int dim, int64_t row, int block_size, float scale, float *buf) {
-    enum { MAXV = 8 };  /* zmm registers a row of head_dim 128 takes */
-    const int nv = dim / 16, nq = heads * group, span = heads * dim;
+    enum { MAXV = 4 };  /* zmm registers of bfloat16 a row of head_dim 128 takes */
+    const int nv = dim / 32, nq = heads * group, span = heads * dim;
     const int padded = (len + TILE - 1) / TILE * TILE;
-    float *qf = buf, *acc = qf + nq * dim, *scores = acc + nq * dim;
-    float *tile = scores + (int64_t)nq * padded;
-    for (int j = 0; j < nq * dim; j++) qf[j] = bf16_load(q[j]) * scale;
+    float *acc = buf, *scores = acc + nq * dim;
+    uint16_t *weights = (uint16_t *)(scores + (int64_t)nq * padded);  /* [nq, padded] */
+    uint16_t *pairs = weights + (int64_t)nq * padded;                 /* [TILE / 2, span, 2] */
+    uint16_t *zero = pairs + TILE * span;                             /* [span] */
+    const uint16_t *rows[TILE];
+    memset(zero, 0, sizeof(uint16_t) * span);
+    Prefetcher ahead;
+    prefetch_start(&ahead, k_cache, v_cache, table, row, len, block_size, span * 2);
+    /* lines of a tile over the (query head, token or pair) steps of a pass, rounded up */
+    const int tile_lines = TILE * ((span * 2 + 63) / 64);
+    const int qk_lines = (tile_lines + TILE * nq - 1) / (TILE * nq);
+    const int pv_lines = (2 * tile_lines + TILE * nq - 1) / (TILE * nq);
+    prefetch_lines(&ahead, AHEAD * tile_lines, AHEAD * TILE);
 
     for (int t0 = 0; t0 < len; t0 += TILE) {
-        const int n = len - t0 < TILE ? len - t0 : TILE;
-        widen_tile(k_cache, table, t0, n, len, block_size, row, span, tile);
+        tile_rows(k_cache, table, t0, len - t0 < TILE ? len - t0 : TILE, block_size, row, zero,
+                  rows);
         for (int j = 0; j < nq; j++) {  /* query head j reads KV head j / group */
-            const float *k = tile + j / group * dim;
-            __m512 qv[MAXV], part[TILE];
-            for (int v = 0; v < nv; v++) qv[v] = _mm512_loadu_ps(qf + j * dim + 16 * v);
+            const int kd = j / group * dim;
+            __m512bh qv[MAXV];
+            __m512 part[TILE];
+            for (int v = 0; v < nv; v++)
+                qv[v] = (__m512bh)_mm512_loadu_si512(q + j * dim + 32 * v);
             for (int t = 0; t < TILE; t++) {
-                __m512 s = _mm512_mul_ps(qv[0], _mm512_loadu_ps(k + t * span));
-                for (int v = 1; v < nv; v++)
-                    s = _mm512_fmadd_ps(qv[v], _mm512_loadu_ps(k + t * span + 16 * v), s);
+                prefetch_lines(&ahead, qk_lines, t0 + (AHEAD + 1) * TILE);
+                __m512 s = _mm512_setzero_ps();
+                for (int v = 0; v < nv; v++)
+                    s = _mm512_dpbf16_ps(s, qv[v],
+                                         (__m512bh)_mm512_loadu_si512(rows[t] + kd + 32 * v));
                 part[t] = s;
             }
-            _mm512_storeu_ps(scores + (int64_t)j * padded + t0, sum_each(part));
+            _mm512_storeu_ps(scores + (int64_t)j * padded + t0,
+                             _mm512_mul_ps(sum_each(part), _mm512_set1_ps(scale)));
         }
     }
     for (int j = 0; j < nq; j++) {
         float *s = scores + (int64_t)j * padded, top = -FLT_MAX, total = 0.0f;
+        uint16_t *w = weights + (int64_t)j * padded;
         for (int t = 0; t < len; t++) top = s[t] > top ? s[t] : top;
         for (int t = 0; t < len; t++) {
             s[t] = expf(s[t] - top);
             total += s[t];
         }
-        const float inv = 1.0f / total;
-        for (int t = 0; t < len; t++) s[t] *= inv;
+        for (int t = 0; t < len; t += 16) {  /* past len: zero weights (scores are not read) */
+            const __mmask16 m = len - t >= 16 ? 0xffff : (__mmask16)((1u << (len - t)) - 1);
+            _mm256_storeu_si256((__m256i *)(w + t),
+                                (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(m, s + t)));
+        }
+        s[0] = 1.0f / total;  /* kept for the end */
     }
 
     memset(acc, 0, sizeof(float) * nq * dim);
     for (int t0 = 0; t0 < len; t0 += TILE) {
-        const int n = len - t0 < TILE ? len - t0 : TILE;
-        widen_tile(v_cache, table, t0, n, len, block_size, row, span, tile);
-        for (int j = 0; j < nq; j++) {
-            const float *v_rows = tile + j / group * dim, *w = scores + (int64_t)j * padded + t0;
-            __m512 a[MAXV];
-            for (int v = 0; v < nv; v++) a[v] = _mm512_loadu_ps(acc + j * dim + 16 * v);
-            for (int t = 0; t < n; t++) {
-                const __m512 wt = _mm512_set1_ps(w[t]);
-                for (int v = 0; v < nv; v++)
-                    a[v] = _mm512_fmadd_ps(wt, _mm512_loadu_ps(v_rows + t * span + 16 * v), a[v]);
+        const int n = len - t0 < TILE ? len - t0 : TILE, np = (n + 1) / 2;
+        tile_rows(v_cache, table, t0, n, block_size, row, zero, rows);
+        /* pair p, vector v: (token 2p, token 2p + 1) of dims 32v + 8L + {0-3} (lo) and
+         * 32v + 8L + {4-7} (hi) for lanes L of 128 bits */
+        for (int p = 0; p < np; p++)
+            for (int d = 0; d < span; d += 32) {
+                const __m512i a = _mm512_loadu_si512(rows[2 * p] + d);
+                const __m512i b = _mm512_loadu_si512(rows[2 * p + 1] + d);
+                _mm512_storeu_si512(pairs + (p * span + d) * 2, _mm512_unpacklo_epi16(a, b));
+                _mm512_storeu_si512(pairs + (p * span + d) * 2 + 32, _mm512_unpackhi_epi16(a, b));
             }
-            for (int v = 0; v < nv; v++) _mm512_storeu_ps(acc + j * dim + 16 * v, a[v]);
+        for (int j = 0; j < nq; j++) {
+            const uint16_t *v_pairs = pairs + j / group * dim * 2;
+            const uint32_t *w = (const uint32_t *)(weights + (int64_t)j * padded + t0);
+            __m512 a[2 * MAXV];
+            for (int v = 0; v < 2 * nv; v++) a[v] = _mm512_loadu_ps(acc + j * dim + 16 * v);
+            for (int p = 0; p < np; p++) {
+                prefetch_lines(&ahead, pv_lines, len + t0 + (AHEAD + 1) * TILE);
+                const __m512bh wp = (__m512bh)_mm512_set1_epi32((int)w[p]);
+                for (int v = 0; v < 2 * nv; v++)
+                    a[v] = _mm512_dpbf16_ps(a[v], (__m512bh)_mm512_loadu_si512(
+                                            v_pairs + p * span * 2 + 32 * v), wp);
+            }
+            for (int v = 0; v < 2 * nv; v++) _mm512_storeu_ps(acc + j * dim + 16 * v, a[v]);
         }
     }
-    for (int j = 0; j < nq * dim; j += 16)
-        _mm256_storeu_si256((__m256i *)(out + j), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(acc + j)));
+    /* back to dimension order, divided by the total, rounded */
+    const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+    const __m512i second = _mm512_add_epi32(first, _mm512_set1_epi32(8));
+    for (int j = 0; j < nq; j++) {
+        const __m512 inv = _mm512_set1_ps(scores[(int64_t)j * padded]);
+        for (int v = 0; v < nv; v++) {
+            const __m512 lo = _mm512_loadu_ps(acc + j * dim + 32 * v);
+            const __m512 hi = _mm512_loadu_ps(acc + j * dim + 32 * v + 16);
+            const __m512 x = _mm512_mul_ps(_mm512_permutex2var_ps(lo, first, hi), inv);
+            const __m512 y = _mm512_mul_ps(_mm512_permutex2var_ps(lo, second, hi), inv);
+            _mm512_storeu_si512(out + j * dim + 32 * v, (__m512i)_mm512_cvtne2ps_pbh(y, x));
+        }
+    }
+}
+
+/* Floats of scratch attend takes for `nq` query heads over `span` cached values a token and
+ * contexts up to `longest`: accumulators, scores, bfloat16 weights, the paired tile, a zero row
+ * (two bfloat16 a float). */
+static size_t attend_scratch(int nq, int dim, int span, int longest) {
+    const size_t padded = (size_t)(longest + TILE - 1) / TILE * TILE;
+    return nq * dim + nq * padded + (nq * padded + TILE * span + span + 1) / 2;
 }
 
 #endif
@@ -164,8 +249,7 @@ int paged_decode_attention(const uint16_t *q, int64_t q_stride,
     const int split = n >= 2 * threads ? 1 : num_kv_heads, per = num_kv_heads / split;
     int longest = 0, failed = 0;
     for (int i = 0; i < n; i++) longest = context_lens[i] > longest ? context_lens[i] : longest;
-    const size_t floats = (size_t)per * group * (2 * head_dim + longest + TILE)
-                          + TILE * per * head_dim;
+    const size_t floats = attend_scratch(per * group, head_dim, per * head_dim, longest);
 
     #pragma omp parallel num_threads(threads)
     {
