@@ -198,13 +198,13 @@ def test_quant_linear_reads_the_loaders_bf16_weights(block_kernel, qtype, n, k):
     expected = torch.from_numpy(gguf.quants.dequantize(blocks, qtype).reshape(n, k)).bfloat16()
 
     # One-hot rows read single weights out: equal bit for bit (the FMA kernel takes 8 rows a
-    # call, AMX all of them).
-    chunk = k if kernel.amx else 8
-    for start in range(0, k, chunk):
-        rows = min(chunk, k - start)
-        x = torch.zeros(rows, k, dtype=torch.bfloat16)
-        x[torch.arange(rows), start + torch.arange(rows)] = 1
-        assert torch.equal(kernel(x, weight), expected[:, start:start + rows].T)
+    # call; AMX takes up to 32 a column of blocks at a time, and more a strip at a time).
+    for chunk in (32, k) if kernel.amx else (8,):
+        for start in range(0, k, chunk):
+            rows = min(chunk, k - start)
+            x = torch.zeros(rows, k, dtype=torch.bfloat16)
+            x[torch.arange(rows), start + torch.arange(rows)] = 1
+            assert torch.equal(kernel(x, weight), expected[:, start:start + rows].T)
 
     # Random rows (strided, as a slice of a wider activation) and a bias: F.linear's result up
     # to the order of the float32 sum. With AMX: partial tiles of 16 rows and pairs of them.

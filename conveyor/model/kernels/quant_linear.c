@@ -30,9 +30,12 @@ int has_amx(void);
 #if CONVEYOR_AVX512_BF16
 enum { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8 };  /* ggml's type numbers */
 #define MAX_ROWS 8
-/* Up to this many rows the FMA kernel runs even where AMX is on: at 1 row it is 1-3 ms a decode
- * step faster (SmolLM2's decode stack, alternated runs), at 2-4 rows they tie. */
-#define FMA_FIRST_ROWS 4
+/* Up to this many rows the FMA kernel runs even where AMX is on: at 1 row the two tie (all of
+ * SmolLM2's linears, alternated runs) and the FMA kernel won in the decode stack; from 2 rows
+ * AMX a column at a time takes 0.63-0.87x the time. */
+#define FMA_FIRST_ROWS 1
+/* Up to this many rows AMX goes a column of blocks at a time (quant_matmul_amx_few). */
+#define AMX_FEW_ROWS 32
 #define EXACT (_MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
 
 static inline float f32_load(const uint8_t *p) {
@@ -278,6 +281,75 @@ static inline void strip_advance(StripCursor *c, int count, int type, int64_t ro
     }
 }
 
+/* Block j of a strip's first `have` rows (zero past them) as 32 bfloat16 rows of 32. */
+static inline void dequant_column(uint16_t *slot, const uint8_t *strip, int64_t row_bytes, int j,
+                                  int have, int type) {
+    const int bb = block_bytes(type);
+    for (int r = 0; r < 32; r++)
+        _mm512_store_si512(slot + 32 * r, r < have
+                           ? dequant_block_bf16(strip + r * row_bytes + j * bb, type)
+                           : _mm512_setzero_si512());
+}
+
+/* Up to 32 rows (one or two m tiles): the four result tiles hold a strip's whole product, so the
+ * blocks are taken a column at a time: block j of the strip's 32 rows is dequantized into a
+ * 2 KB slot of an L1 ring and multiplied at once, while the next strip's bytes (a contiguous
+ * run of 32 rows) are prefetched a few lines a block. The dequantized weights never leave L1,
+ * where the many-row path writes and rereads a whole strip (36-96 KB) through L2. */
+static int quant_matmul_amx_few(const uint16_t *x, int64_t x_stride, const uint8_t *w,
+                                int64_t row_bytes, int type, const uint16_t *bias, uint16_t *y,
+                                int64_t y_stride, int rows, int n, int k, int threads) {
+    const int blocks = k / 32, both = rows > 16, strips = (n + 31) / 32;
+    const int lines = (int)((32 * row_bytes + 63) / 64), per_block = (lines + blocks - 1) / blocks;
+    uint32_t *xb = aligned_alloc(64, (size_t)(both + 1) * blocks * 1024);
+    if (xb == NULL) return -2;
+    #pragma omp parallel num_threads(threads)
+    {
+        int nt = 1, t_id = 0;
+#ifdef _OPENMP
+        nt = omp_get_num_threads();
+        t_id = omp_get_thread_num();
+#endif
+        activations_to_tiles(x, x_stride, rows, k, xb);  /* ends with a barrier */
+        uint16_t ring[2][32 * 32] __attribute__((aligned(64)));
+        float c[256] __attribute__((aligned(64)));
+        TileConfig cfg = {0};
+        cfg.palette = 1;
+        for (int i = 0; i < 8; i++) cfg.rows[i] = 16, cfg.colsb[i] = 64;
+        _tile_loadconfig(&cfg);
+        const int per = (strips + nt - 1) / nt, s0 = t_id * per;
+        const int s1 = s0 + per < strips ? s0 + per : strips;
+        for (int s = s0; s < s1; s++) {
+            const int n0 = 32 * s, have = n - n0 < 32 ? n - n0 : 32;
+            const uint8_t *strip = w + (int64_t)n0 * row_bytes;
+            const char *next = (const char *)(strip + 32 * row_bytes);
+            const int prefetch = s + 1 < s1 ? per_block : 0;
+            _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+            for (int j = 0; j < blocks; j++) {
+                uint16_t *slot = ring[j & 1];  /* two slots: tiles are still reading the last */
+                dequant_column(slot, strip, row_bytes, j, have, type);
+                for (int i = 0; i < prefetch; i++)
+                    _mm_prefetch(next + 64 * (j * per_block + i), _MM_HINT_T0);
+                const uint32_t *b = xb + (int64_t)j * 256;
+                _tile_loadd(4, slot, 64);
+                _tile_loadd(6, b, 64);
+                _tile_dpbf16ps(0, 4, 6);
+                _tile_loadd(5, slot + 16 * 32, 64);
+                _tile_dpbf16ps(2, 5, 6);
+                if (both) {
+                    _tile_loadd(7, b + blocks * 256, 64);
+                    _tile_dpbf16ps(1, 4, 7);
+                    _tile_dpbf16ps(3, 5, 7);
+                }
+            }
+            store_results(c, bias, y, y_stride, 0, rows, n0, n, both);
+        }
+        _tile_release();
+    }
+    free(xb);
+    return 0;
+}
+
 /* Tiles: 0-3 results (n tile 0 x m tiles t, t + 1; n tile 1 x the same), 4-5 weights, 6-7
  * activations. Each loaded tile feeds two products, and the next block's loads wait on one
  * product, not on all of them (tiles are not renamed). */
@@ -387,6 +459,9 @@ int quant_linear(const uint16_t *x, int64_t x_stride, const uint8_t *w, int64_t 
     if ((type != Q4_0 && type != Q4_1 && type != Q8_0) || k % 32 != 0 || rows < 1)
         return -1;
 #if AMX_BUILT
+    if (rows > FMA_FIRST_ROWS && rows <= AMX_FEW_ROWS && has_amx())
+        return quant_matmul_amx_few(x, x_stride, w, row_bytes, type, bias, y, y_stride, rows, n, k,
+                                    threads);
     if (rows > FMA_FIRST_ROWS && has_amx())
         return quant_matmul_amx(x, x_stride, w, row_bytes, type, bias, y, y_stride, rows, n, k,
                                 threads);
