@@ -281,11 +281,12 @@ static inline void strip_advance(StripCursor *c, int count, int type, int64_t ro
     }
 }
 
-/* Block j of a strip's first `have` rows (zero past them) as 32 bfloat16 rows of 32. */
+/* Block j of a strip's rows r0 .. r1 - 1 as bfloat16 rows of 32 in a slot of 32 such rows; zero
+ * past the `have` rows that exist. */
 static inline void dequant_column(uint16_t *slot, const uint8_t *strip, int64_t row_bytes, int j,
-                                  int have, int type) {
+                                  int r0, int r1, int have, int type) {
     const int bb = block_bytes(type);
-    for (int r = 0; r < 32; r++)
+    for (int r = r0; r < r1; r++)
         _mm512_store_si512(slot + 32 * r, r < have
                            ? dequant_block_bf16(strip + r * row_bytes + j * bb, type)
                            : _mm512_setzero_si512());
@@ -325,22 +326,30 @@ static int quant_matmul_amx_few(const uint16_t *x, int64_t x_stride, const uint8
             const char *next = (const char *)(strip + 32 * row_bytes);
             const int prefetch = s + 1 < s1 ? per_block : 0;
             _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+            dequant_column(ring[0], strip, row_bytes, 0, 0, 32, have, type);
             for (int j = 0; j < blocks; j++) {
-                uint16_t *slot = ring[j & 1];  /* two slots: tiles are still reading the last */
-                dequant_column(slot, strip, row_bytes, j, have, type);
+                const uint16_t *slot = ring[j & 1];
+                uint16_t *ahead = ring[(j + 1) & 1];
+                const int q = j + 1 < blocks ? 8 : 0;  /* rows of the next column a quarter */
                 for (int i = 0; i < prefetch; i++)
                     _mm_prefetch(next + 64 * (j * per_block + i), _MM_HINT_T0);
                 const uint32_t *b = xb + (int64_t)j * 256;
                 _tile_loadd(4, slot, 64);
                 _tile_loadd(6, b, 64);
                 _tile_dpbf16ps(0, 4, 6);
+                dequant_column(ahead, strip, row_bytes, j + 1, 0, q, have, type);
                 _tile_loadd(5, slot + 16 * 32, 64);
                 _tile_dpbf16ps(2, 5, 6);
+                dequant_column(ahead, strip, row_bytes, j + 1, q, 2 * q, have, type);
                 if (both) {
                     _tile_loadd(7, b + blocks * 256, 64);
                     _tile_dpbf16ps(1, 4, 7);
+                    dequant_column(ahead, strip, row_bytes, j + 1, 2 * q, 3 * q, have, type);
                     _tile_dpbf16ps(3, 5, 7);
+                } else {
+                    dequant_column(ahead, strip, row_bytes, j + 1, 2 * q, 3 * q, have, type);
                 }
+                dequant_column(ahead, strip, row_bytes, j + 1, 3 * q, 4 * q, have, type);
             }
             store_results(c, bias, y, y_stride, 0, rows, n0, n, both);
         }
