@@ -293,10 +293,12 @@ static inline void dequant_column(uint16_t *slot, const uint8_t *strip, int64_t 
 }
 
 /* Up to 32 rows (one or two m tiles): the four result tiles hold a strip's whole product, so the
- * blocks are taken a column at a time: block j of the strip's 32 rows is dequantized into a
- * 2 KB slot of an L1 ring and multiplied at once, while the next strip's bytes (a contiguous
- * run of 32 rows) are prefetched a few lines a block. The dequantized weights never leave L1,
- * where the many-row path writes and rereads a whole strip (36-96 KB) through L2. */
+ * blocks are taken a column at a time: block j of the strip's 32 rows is a 2 KB slot of an L1
+ * ring, multiplied while column j + 1 is dequantized into the other slot a quarter at a time
+ * between the products (a whole column would fill the reorder buffer and stall the tile unit),
+ * and the next strip's bytes (a contiguous run of 32 rows) are prefetched a few lines a block.
+ * The dequantized weights never leave L1, where the many-row path writes and rereads a whole
+ * strip (36-96 KB) through L2. */
 static int quant_matmul_amx_few(const uint16_t *x, int64_t x_stride, const uint8_t *w,
                                 int64_t row_bytes, int type, const uint16_t *bias, uint16_t *y,
                                 int64_t y_stride, int rows, int n, int k, int threads) {
