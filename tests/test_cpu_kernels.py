@@ -290,3 +290,23 @@ def test_argmax_rows_finds_the_first_maximum():
         x[0] = float("-inf")  # every logit masked: index 0, as torch
         x[1, -1] = 100.0      # the maximum in the last, partial vector
         assert torch.equal(argmax(x), x.argmax(dim=-1))
+
+
+def test_head_reads_its_blocks_up_to_a_few_rows(block_kernel, default_gguf_path):
+    """The tied head (SmolLM2's Q8_0 embedding) through the block kernel at a few rows and the
+    prepacked bfloat16 matmul past them: both the bfloat16 head's logits up to the order of the
+    float32 sums."""
+    from conveyor import LLM
+
+    model = LLM(model=default_gguf_path, dtype="bfloat16", max_num_seqs=4).engine.runner.model
+    assert model.output is None and model.head_blocks is not None
+    kernel = model.head_kernel = mock.Mock(wraps=block_kernel)
+    kernel.max_rows = block_kernel.max_rows
+    few = min(model.HEAD_BLOCK_ROWS, block_kernel.max_rows)
+    hidden = torch.randn(few + 1, model.config.hidden_size, dtype=torch.bfloat16)
+    with torch.no_grad():
+        for rows in (1, few, few + 1):
+            want = F.linear(hidden[:rows].float(), model.tok_embeddings.weight.float())
+            torch.testing.assert_close(model.compute_logits(hidden[:rows]), want,
+                                       rtol=2 ** -7, atol=2e-2)
+    assert kernel.call_count == 2  # 1 and `few` rows; one more goes to the prepacked head

@@ -160,14 +160,12 @@ def gguf_weights(reader: gguf.GGUFReader, config: ModelConfig) -> dict[str, torc
 
 def gguf_quantized_weights(reader: gguf.GGUFReader,
                            config: ModelConfig) -> dict[str, QuantizedWeight]:
-    """The layers' Q4_0/Q4_1/Q8_0 matrices as stored (rows un-permuted as in ``gguf_weights``),
-    under our names. Only the layers': the embedding is looked up by row, and the output head
-    read as Q8_0 measured no faster than in bfloat16."""
+    """The Q4_0/Q4_1/Q8_0 matrices as stored (rows un-permuted as in ``gguf_weights``), under
+    our names: the layers' and the output head's (the embedding's, when tied)."""
     out: dict[str, QuantizedWeight] = {}
     for t in reader.tensors:
         name = _rename(t.name)
-        if (int(t.tensor_type) not in _GGUF_BLOCKS or len(t.shape) != 2 or name is None
-                or not name.startswith("layers.")):
+        if int(t.tensor_type) not in _GGUF_BLOCKS or len(t.shape) != 2 or name is None:
             continue
         blocks = _unpermute_rows(np.asarray(t.data), name, config)
         out[name] = QuantizedWeight.from_gguf(int(t.tensor_type), blocks)
