@@ -165,7 +165,8 @@ def gguf_quantized_weights(reader: gguf.GGUFReader,
     out: dict[str, QuantizedWeight] = {}
     for t in reader.tensors:
         name = _rename(t.name)
-        if int(t.tensor_type) not in _GGUF_BLOCKS or len(t.shape) != 2 or name is None:
+        if (int(t.tensor_type) not in _GGUF_BLOCKS or len(t.shape) != 2 or name is None
+                or name == "tok_embeddings.weight" and not config.tie_word_embeddings):
             continue
         blocks = _unpermute_rows(np.asarray(t.data), name, config)
         out[name] = QuantizedWeight.from_gguf(int(t.tensor_type), blocks)
