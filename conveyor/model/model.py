@@ -268,12 +268,11 @@ class Transformer(nn.Module):
             rows = sum(q.blocks.shape[0] for q in found)
             blocks = pool[offset:offset + rows * found[0].blocks.shape[1]].view(rows, -1)
             torch.cat([q.blocks for q in found], out=blocks)
+            placed = QuantizedWeight(found[0].ggml_type, blocks)
             if module is None:
-                self.head_blocks = QuantizedWeight(found[0].ggml_type, blocks)
-                self.head_kernel = kernel
+                self.head_blocks, self.head_kernel = placed, kernel
             else:
-                module.quantized = QuantizedWeight(found[0].ggml_type, blocks)
-                module.quant_linear = kernel
+                module.quantized, module.quant_linear = placed, kernel
             offset += size
 
     def use_decode_stack(self, kernels: CPUKernels,

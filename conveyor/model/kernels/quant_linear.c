@@ -99,6 +99,19 @@ static inline int block_bytes(int type) {
     return type == Q8_0 ? 36 : type == Q4_1 ? 24 : 20;
 }
 
+/* This OpenMP thread's share [*begin, *end) of `count` items (output rows or strips): one
+ * contiguous run, empty for threads past the last item. */
+static inline void thread_share(int count, int *begin, int *end) {
+    int nt = 1, t = 0;
+#ifdef _OPENMP
+    nt = omp_get_num_threads();
+    t = omp_get_thread_num();
+#endif
+    const int per = (count + nt - 1) / nt;
+    *begin = t * per < count ? t * per : count;
+    *end = *begin + per < count ? *begin + per : count;
+}
+
 /* y[r, n] = sum_k x[r, k] w[n, k] for r < R, output rows [n0, n1); x here is float32, [R, k]. */
 static inline __attribute__((always_inline)) void rows_times_blocks(
         int R, const float *x, int k, const uint8_t *w, int64_t row_bytes, int type,
@@ -141,6 +154,14 @@ typedef struct {
     uint16_t colsb[16];
     uint8_t rows[16];
 } __attribute__((packed)) TileConfig;
+
+/* This thread's tiles: all eight 16 rows of 64 bytes. */
+static void configure_tiles(void) {
+    TileConfig cfg = {0};
+    cfg.palette = 1;
+    for (int i = 0; i < 8; i++) cfg.rows[i] = 16, cfg.colsb[i] = 64;
+    _tile_loadconfig(&cfg);
+}
 
 /* 16 rows of 16 dwords (64 bytes) at src, src_stride bytes apart, transposed into dst. */
 static inline void transpose16(const void *src, int64_t src_stride, void *dst,
@@ -308,20 +329,12 @@ static int quant_matmul_amx_few(const uint16_t *x, int64_t x_stride, const uint8
     if (xb == NULL) return -2;
     #pragma omp parallel num_threads(threads)
     {
-        int nt = 1, t_id = 0;
-#ifdef _OPENMP
-        nt = omp_get_num_threads();
-        t_id = omp_get_thread_num();
-#endif
         activations_to_tiles(x, x_stride, rows, k, xb);  /* ends with a barrier */
         uint16_t ring[2][32 * 32] __attribute__((aligned(64)));
         float c[256] __attribute__((aligned(64)));
-        TileConfig cfg = {0};
-        cfg.palette = 1;
-        for (int i = 0; i < 8; i++) cfg.rows[i] = 16, cfg.colsb[i] = 64;
-        _tile_loadconfig(&cfg);
-        const int per = (strips + nt - 1) / nt, s0 = t_id * per;
-        const int s1 = s0 + per < strips ? s0 + per : strips;
+        configure_tiles();
+        int s0, s1;
+        thread_share(strips, &s0, &s1);
         for (int s = s0; s < s1; s++) {
             const int n0 = 32 * s, have = n - n0 < 32 ? n - n0 : 32;
             const uint8_t *strip = w + (int64_t)n0 * row_bytes;
@@ -377,20 +390,12 @@ static int quant_matmul_amx(const uint16_t *x, int64_t x_stride, const uint8_t *
     #pragma omp parallel num_threads(threads)
     {
         StripCursor cur = {0};
-        int nt = 1, t_id = 0;
-#ifdef _OPENMP
-        nt = omp_get_num_threads();
-        t_id = omp_get_thread_num();
-#endif
         activations_to_tiles(x, x_stride, rows, k, xb);  /* ends with a barrier */
         uint16_t *a = aligned_alloc(64, (size_t)128 * k);  /* two strips */
         float c[256] __attribute__((aligned(64)));
-        TileConfig cfg = {0};
-        cfg.palette = 1;
-        for (int i = 0; i < 8; i++) cfg.rows[i] = 16, cfg.colsb[i] = 64;
-        _tile_loadconfig(&cfg);
-        const int per = (strips + nt - 1) / nt, s0 = t_id * per;
-        const int s1 = s0 + per < strips ? s0 + per : strips;
+        configure_tiles();
+        int s0, s1;
+        thread_share(strips, &s0, &s1);
         if (a == NULL) failed = 1;
         else if (s0 < s1) {
             strip_start(&cur, w, row_bytes, 32 * s0, n, a);
@@ -484,13 +489,8 @@ int quant_linear(const uint16_t *x, int64_t x_stride, const uint8_t *w, int64_t 
         for (int i = 0; i < k; i++) xf[(int64_t)r * k + i] = bf16_load(x[r * x_stride + i]);
     #pragma omp parallel num_threads(threads)
     {
-        int nt = 1, t = 0;
-#ifdef _OPENMP
-        nt = omp_get_num_threads();
-        t = omp_get_thread_num();
-#endif
-        const int per = (n + nt - 1) / nt;
-        const int n0 = t * per, n1 = n0 + per < n ? n0 + per : n;
+        int n0, n1;
+        thread_share(n, &n0, &n1);
         switch (rows) { CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8) }
     }
     free(xf);
