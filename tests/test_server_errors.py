@@ -1,9 +1,11 @@
 """The engine thread survives whatever a request does to the engine (no model needed: a fake
-engine fails on cue), and the queue limit counts requests not yet seen by the engine."""
+engine fails on cue), the queue limit counts requests not yet seen by the engine, and the engine
+is built on the thread that steps it."""
 
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from types import SimpleNamespace
 
@@ -28,6 +30,8 @@ class FakeEngine:
                                                             prefix_hits=0))
         self.last_batch_size = 0
         self.aborted: list[str] = []
+        self.built_on = threading.current_thread()
+        self.stepped_on: set[threading.Thread] = set()
 
     def add_request(self, request_id, prompt, params, arrival_time=None, priority=0) -> None:
         if -1 in prompt["prompt_token_ids"]:
@@ -42,6 +46,7 @@ class FakeEngine:
         return bool(self.pending)
 
     def step(self) -> list[RequestOutput]:
+        self.stepped_on.add(threading.current_thread())
         if self.fail_steps:
             self.fail_steps -= 1
             raise RuntimeError("boom")
@@ -66,8 +71,8 @@ def run_one(thread: EngineThread, request_id: str, prompt: list[int]) -> Request
 def make_thread():
     threads = []
 
-    def make(engine: FakeEngine, max_queue_len: int | None = None) -> EngineThread:
-        thread = EngineThread(engine, ServerMetrics("fake"), max_queue_len)
+    def make(build=FakeEngine, max_queue_len: int | None = None) -> EngineThread:
+        thread = EngineThread(build, max_queue_len)
         threads.append(thread)
         return thread
 
@@ -77,18 +82,17 @@ def make_thread():
 
 
 def test_failed_step_fails_its_requests_and_the_thread_carries_on(make_thread):
-    engine = FakeEngine(fail_steps=1)
-    thread = make_thread(engine)
-    thread.start()
+    thread = make_thread(lambda: FakeEngine(fail_steps=1))
+    thread.start(ServerMetrics("fake"))
     with pytest.raises(RuntimeError, match="engine failed"):
         run_one(thread, "a", [1, 2])
-    assert engine.aborted == ["a"]
+    assert thread.engine.aborted == ["a"]
     assert run_one(thread, "b", [1, 2]).outputs[0].text == "ok"
 
 
 def test_rejected_add_fails_alone(make_thread):
-    thread = make_thread(FakeEngine())
-    thread.start()
+    thread = make_thread()
+    thread.start(ServerMetrics("fake"))
     with pytest.raises(ValueError, match="token ids"):
         run_one(thread, "bad", [-1])
     assert run_one(thread, "good", [3]).finished
@@ -98,7 +102,7 @@ def test_rejected_add_fails_alone(make_thread):
 
 
 def test_queue_limit_counts_requests_not_yet_seen_by_the_engine(make_thread):
-    thread = make_thread(FakeEngine(), max_queue_len=2)  # not started: nothing is drained
+    thread = make_thread(max_queue_len=2)  # not started: nothing is drained
 
     async def burst() -> int:
         accepted = 0
@@ -111,3 +115,20 @@ def test_queue_limit_counts_requests_not_yet_seen_by_the_engine(make_thread):
         return accepted
 
     assert asyncio.run(burst()) == 2
+
+
+def test_engine_is_built_and_stepped_on_one_thread_not_the_callers(make_thread):
+    thread = make_thread()
+    thread.start(ServerMetrics("fake"))
+    assert run_one(thread, "a", [1]).finished
+    engine = thread.engine
+    assert engine.built_on is not threading.current_thread()
+    assert engine.stepped_on == {engine.built_on}
+
+
+def test_a_failed_build_raises_on_the_callers_thread():
+    def build():
+        raise ValueError("no such model")
+
+    with pytest.raises(ValueError, match="no such model"):
+        EngineThread(build)

@@ -4,6 +4,12 @@ The engine runs on one daemon thread that owns it: it drains an inbox of add/abo
 steps while there is work and otherwise blocks on the inbox, and hands each output to the waiting
 handler with ``call_soon_threadsafe``. HTTP handlers therefore never wait on a step to be accepted,
 and the engine never waits on HTTP.
+
+The same thread builds the engine. Every thread that runs a parallel region gets an OpenMP thread
+pool of its own, and once the process holds more of those threads than it has CPUs, libgomp (the
+runtime PyTorch and our kernels use) cuts its spin-wait at each barrier to 100 iterations, so
+every barrier sleeps and wakes through the kernel: loading the model on the main thread and
+stepping it here made a step 1.2-1.3x slower in the server than offline.
 """
 
 from __future__ import annotations
@@ -107,25 +113,33 @@ class Submission:
 
 
 class EngineThread:
-    def __init__(self, engine: LLMEngine, metrics: ServerMetrics,
-                 max_queue_len: int | None = None) -> None:
-        self.engine = engine
-        self.metrics = metrics
+    """Builds the engine on its own thread at once (raising what ``build`` raised); drains and
+    steps only from ``start`` on."""
+
+    def __init__(self, build: Callable[[], LLMEngine], max_queue_len: int | None = None) -> None:
         self.max_queue_len = max_queue_len
+        self.metrics: ServerMetrics | None = None  # set by start
         self._inbox: queue.Queue = queue.Queue()
         self._live: dict[str, _Live] = {}  # engine thread only
         self._lock = threading.Lock()      # guards the two queue-length counts below
         self._num_pending = 0              # adds in the inbox, not yet seen by the engine
         self._num_waiting = 0              # the scheduler's waiting queue, as last seen
-        self._thread = threading.Thread(target=self._run, name="conveyor-engine", daemon=True)
+        self._started = threading.Event()
+        built: concurrent.futures.Future = concurrent.futures.Future()
+        self._thread = threading.Thread(target=self._run, args=(build, built),
+                                        name="conveyor-engine", daemon=True)
+        self._thread.start()
+        self.engine: LLMEngine = built.result()
 
     # -- asyncio side --------------------------------------------------------------------------
-    def start(self) -> None:
-        self._thread.start()
+    def start(self, metrics: ServerMetrics) -> None:
+        self.metrics = metrics
+        self._started.set()
 
     def stop(self, timeout: float = 5.0) -> None:
         if self._thread.is_alive():
             self._inbox.put(_STOP)
+            self._started.set()
             self._thread.join(timeout)
 
     def submit(self, requests: list[EngineRequest]) -> Submission:
@@ -150,7 +164,13 @@ class EngineThread:
         return await asyncio.wrap_future(future)
 
     # -- engine thread -------------------------------------------------------------------------
-    def _run(self) -> None:
+    def _run(self, build: Callable[[], LLMEngine], built: concurrent.futures.Future) -> None:
+        try:
+            built.set_result(build())
+        except BaseException as e:  # the constructor raises it on the caller's thread
+            built.set_exception(e)
+            return
+        self._started.wait()
         while True:
             try:
                 if not self._drain(block=not self.engine.has_unfinished_requests()):

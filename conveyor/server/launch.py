@@ -43,11 +43,11 @@ def serve(args: argparse.Namespace) -> None:
         raise ValueError(f"--max-queue-len must be >= 1, got {args.max_queue_len}")
     logging.basicConfig(level=logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    engine = LLMEngine(engine_config(args))
+    config = engine_config(args)
+    engine_thread = EngineThread(lambda: LLMEngine(config), args.max_queue_len)
+    engine = engine_thread.engine
     names = args.served_model_name or [engine.model_name]
-    metrics = ServerMetrics(names[0])
-    state = ServerState(engine, EngineThread(engine, metrics, args.max_queue_len), metrics,
-                        names)
+    state = ServerState(engine, engine_thread, ServerMetrics(names[0]), names)
     app = build_app(state, _ready_message(state, args))
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port,
                                            log_level="info",
@@ -55,5 +55,5 @@ def serve(args: argparse.Namespace) -> None:
     # uvicorn re-raises the signal it drained on; absorbing that re-raise makes the exit 0.
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: None)
-    state.engine_thread.start()
+    state.engine_thread.start(state.metrics)
     server.run()  # the app's lifespan stops the engine thread on the way out
