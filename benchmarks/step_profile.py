@@ -6,7 +6,9 @@ scheduling, input preparation, the network (linears, attention and the rest, or,
 decode-only step on the CPU, all layers in one kernel call), logits, sampling, and the engine's
 own bookkeeping (advance, detokenize, outputs). In the same run it times the
 model's own linear layers alone at the same M (``F.linear`` on its weights), so the step's
-linear FLOPs can be set against the rate the linears reach by themselves.
+linear FLOPs can be set against the rate the linears reach by themselves: the steps come in
+``--rounds`` rounds, each followed by the linears alone, and each round gives one ratio (this
+machine's speed moves within minutes, its AMX unit's most of all).
 
     .venv/bin/python benchmarks/step_profile.py --batch 64
 """
@@ -18,6 +20,7 @@ import os
 import statistics
 import time
 from collections import defaultdict
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -57,33 +60,40 @@ def clock(obj, name: str, spent: dict[str, float], label: str) -> None:
     setattr(obj, name, _Clocked(getattr(obj, name), spent, label))
 
 
-def linear_rate(model, m: int, dtype: torch.dtype, repeats: int = 20) -> dict[str, float]:
-    """GFLOP in one pass of the model's linears at M=m, and their GFLOP/s run alone, plain
-    (``F.linear``), prepacked for oneDNN and, where the model reads GGUF blocks at this M, with
-    its layers' linears read from those blocks."""
+def linear_calls(model, m: int, dtype: torch.dtype) -> tuple[float, dict[str, list]]:
+    """GFLOP in one pass of the model's linears at M=m, and that pass as calls (each on a fixed
+    input) done three ways: plain (``F.linear``), prepacked for oneDNN and, where the model
+    reads GGUF blocks at this M, with its layers' linears read from those blocks. Taken before
+    the step's clocks go in, so timing them does not count as the step's linears."""
     layers = [mod for mod in model.layers.modules() if isinstance(mod, torch.nn.Linear)]
     weights = [mod.weight for mod in layers]
     weights.append(model.tok_embeddings.weight if model.output is None else model.output.weight)
     flop = sum(2 * m * w.shape[0] * w.shape[1] for w in weights)
-    xs = {w.shape[1]: torch.randn(m, w.shape[1], dtype=dtype) for w in weights}
-    calls = {"plain": [lambda x, w=w: F.linear(x, w) for w in weights]}
+    xs = [torch.randn(m, w.shape[1], dtype=dtype) for w in weights]
+    calls = {"plain": [partial(F.linear, x, w) for x, w in zip(xs, weights)]}
     if can_prepack(torch.device("cpu"), dtype):
         packed = [torch.ops.mkldnn._reorder_linear_weight(w.detach(), 64) for w in weights]
-        calls["prepacked"] = [lambda x, p=p: torch.ops.mkldnn._linear_pointwise(
-            x, p, None, "none", [], "") for p in packed]
+        calls["prepacked"] = [partial(torch.ops.mkldnn._linear_pointwise, x, p, None, "none",
+                                      [], "") for x, p in zip(xs, packed)]
         if any(mod.quant_linear is not None and m <= mod.quant_linear.max_rows
                for mod in layers):
-            calls["GGUF blocks"] = [mod.forward for mod in layers] + calls["prepacked"][-1:]
-    rates = {"gflop": flop / 1e9}
+            calls["GGUF blocks"] = [partial(mod.forward, x) for mod, x in zip(layers, xs)] + (
+                calls["prepacked"][-1:])
+    return flop / 1e9, calls
+
+
+def linear_rates(gflop: float, calls: dict[str, list], repeats: int) -> dict[str, float]:
+    """GFLOP/s of each way of the pass, the median of ``repeats`` passes after a warm one."""
+    rates = {}
     with torch.inference_mode():
         for name, fns in calls.items():
             times = []
             for _ in range(repeats + 1):
                 t = time.perf_counter()
-                for fn, w in zip(fns, weights):
-                    fn(xs[w.shape[1]])
+                for fn in fns:
+                    fn()
                 times.append(time.perf_counter() - t)
-            rates[name] = flop / statistics.median(times[1:]) / 1e9
+            rates[name] = gflop / statistics.median(times[1:])
     return rates
 
 
@@ -93,7 +103,10 @@ def main() -> None:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--context", type=int, default=256, help="prompt tokens per request")
-    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--steps", type=int, default=20, help="decode steps timed, in all")
+    p.add_argument("--rounds", type=int, default=5,
+                   help="rounds that alternate a share of the steps with the linears alone, so "
+                        "both are timed at the same machine speed (one ratio per round)")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--torch-profile", type=int, default=0, metavar="ROWS",
                    help="also print torch.profiler's top ROWS ops by self CPU time (5 steps)")
@@ -133,6 +146,7 @@ def main() -> None:
     for _ in range(3):  # warm
         engine.step()
 
+    gflop, calls = linear_calls(model, args.batch, engine.dtype)
     spent: dict[str, float] = defaultdict(float)
     runner = engine.runner
     clock(engine.scheduler, "schedule", spent, "schedule")
@@ -148,11 +162,15 @@ def main() -> None:
     forward_spent: dict[str, float] = defaultdict(float)
     clock(model, "forward", forward_spent, "network")
 
-    totals = []
-    for _ in range(args.steps):
-        t = time.perf_counter()
-        engine.step()
-        totals.append(time.perf_counter() - t)
+    totals, rounds = [], []
+    for r in range(args.rounds):
+        times = []
+        for _ in range(args.steps * (r + 1) // args.rounds - args.steps * r // args.rounds):
+            t = time.perf_counter()
+            engine.step()
+            times.append(time.perf_counter() - t)
+        totals += times
+        rounds.append((statistics.median(times), linear_rates(gflop, calls, repeats=5)))
     step = sum(totals)
     spent["network: norms, rope + KV write, residuals, the rest"] = (
         forward_spent["network"] - spent["linears (layers)"]
@@ -170,13 +188,17 @@ def main() -> None:
         print(f"  {label:<52}{seconds / args.steps * 1e3:>8.1f} ms{seconds / step:>7.1%}")
     overhead = sum(spent[k] for k in ("schedule", "prepare inputs", "sample"))
     print(f"  scheduler + input preparation + sampling: {overhead / step:.1%} of the step")
-    rates = linear_rate(model, args.batch, engine.dtype)
-    achieved = rates["gflop"] / (step / args.steps)
-    best = max(v for k, v in rates.items() if k != "gflop")
-    alone = ", ".join(f"{k} {v:.0f}" for k, v in rates.items() if k != "gflop")
-    print(f"linear FLOPs per step {rates['gflop']:.1f} GFLOP; the model's linears alone at "
-          f"M={args.batch}: {alone} GFLOP/s; the whole step: {achieved:.0f} GFLOP/s = "
-          f"{achieved / best:.0%} of the best linear rate")
+    print(f"linear FLOPs per step {gflop:.1f} GFLOP; each round: the median step, the model's "
+          f"linears alone at M={args.batch} right after it, and the step's share of the best")
+    shares = []
+    for i, (median, rates) in enumerate(rounds):
+        achieved, best = gflop / median, max(rates.values())
+        shares.append(achieved / best)
+        alone = ", ".join(f"{k} {v:.0f}" for k, v in rates.items())
+        print(f"  round {i + 1}: step {median * 1e3:.1f} ms = {achieved:.0f} GFLOP/s; linears "
+              f"alone: {alone} GFLOP/s; {shares[-1]:.0%}")
+    print(f"the whole step reaches {statistics.median(shares):.0%} of the best linear rate "
+          f"(median of {len(shares)} rounds)")
     if args.torch_profile:
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
             for _ in range(5):
