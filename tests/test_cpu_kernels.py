@@ -48,7 +48,9 @@ def reference(q, k_cache, v_cache, tables, lens):
     (4, 4, 64, 8),     # no GQA, small pages
     (14, 2, 64, 32),   # Qwen2.5-0.5B's group of 7
 ])
-def test_kernel_matches_sdpa(heads, kv_heads, dim, block_size):
+def test_kernel_matches_sdpa(block_kernel, heads, kv_heads, dim, block_size):
+    """With AMX on, pages of 16 and 32 take the scores' tile path (up to 16 query heads an
+    item); pages of 8 and AMX off, the vector path."""
     kernel = built_kernels(dim).decode_attention
     if kernel is None:
         pytest.skip("this CPU lacks AVX-512 BF16: decodes gather pages and run SDPA")
@@ -172,7 +174,8 @@ def quant_kernel():
 
 @pytest.fixture(params=["AMX", "FMA"])
 def block_kernel(request):
-    """The block linear with AMX (where the machine has it) and with AVX-512 FMAs."""
+    """The block linear with AMX (where the machine has it) and with AVX-512 FMAs. The switch is
+    the process's: the decode attention's scores follow it too."""
     kernel = quant_kernel()
     if request.param == "AMX":
         kernel.set_amx(True)

@@ -27,6 +27,29 @@
 #if CONVEYOR_AVX512_BF16
 #define TILE 16
 
+int has_amx(void);  /* quant_linear.c: AMX built, allowed by the OS, and not switched off */
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define AMX_SCORES 1
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} __attribute__((packed)) ScoreTiles;
+
+/* This thread's tiles for the scores: 0, a tile's scores (16 tokens x 16 query heads, float32);
+ * 1, 32 dimensions of 16 cached K rows (bfloat16); 2, the same dimensions of the queries, in
+ * pairs (16 pairs x 16 query heads). */
+static void configure_score_tiles(void) {
+    ScoreTiles cfg = {0};
+    cfg.palette = 1;
+    for (int i = 0; i < 3; i++) cfg.rows[i] = 16, cfg.colsb[i] = 64;
+    _tile_loadconfig(&cfg);
+}
+#else
+#define AMX_SCORES 0
+#endif
+
 /* r[i] = the sum of the 16 lanes of a[i]: pairs are folded together by halving the width
  * (512 -> 256 -> 128 -> 64 -> 32 bits), so each step serves several vectors at once. The last
  * step leaves lane 4 * L + e holding a[4 * e + L]; one permutation puts them in order. */
@@ -98,7 +121,8 @@ static inline void ahead_rows(const uint16_t *k_cache, const uint16_t *v_cache,
  * registers. buf: see attend_scratch. */
 static inline void attend(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache,
                           const int32_t *table, int len, uint16_t *out, int heads, int group,
-                          const int dim, int64_t row, int block_size, float scale, float *buf) {
+                          const int dim, int64_t row, int block_size, float scale, int amx,
+                          float *buf) {
     enum { MAXV = 4 };  /* zmm registers of bfloat16 a row of head_dim 128 takes */
     const int nv = dim / 32, nq = heads * group, span = heads * dim;
     const int padded = (len + TILE - 1) / TILE * TILE;
@@ -106,6 +130,9 @@ static inline void attend(const uint16_t *q, const uint16_t *k_cache, const uint
     uint16_t *weights = (uint16_t *)(scores + (int64_t)nq * padded);  /* [nq, padded] */
     uint16_t *pairs = weights + (int64_t)nq * padded;                 /* [TILE / 2, span, 2] */
     uint16_t *zero = pairs + TILE * span;                             /* [span] */
+    /* AMX: the queries as tiles [heads, dim / 32, 16 pairs, 16 query heads, 2], a tile's scores */
+    uint16_t *q_tiles = zero + span;
+    float *tile_scores = (float *)(q_tiles + (int64_t)heads * dim * TILE * 2);
     const uint16_t *rows[TILE];
     memset(zero, 0, sizeof(uint16_t) * span);
     const int row_lines = (span * 2 + 63) / 64;
@@ -117,7 +144,41 @@ static inline void attend(const uint16_t *q, const uint16_t *k_cache, const uint
                 _mm_prefetch((const char *)ahead[t] + 64 * b, _MM_HINT_T2);
     }
 
-    for (int t0 = 0; t0 < len; t0 += TILE) {
+#if AMX_SCORES
+    if (amx) {
+        /* column j of the queries' tiles is query head j, zero where K's head is not its own,
+         * so the products of all KV heads add up in one result tile */
+        memset(q_tiles, 0, sizeof(uint16_t) * heads * dim * TILE * 2);
+        for (int j = 0; j < nq; j++)
+            for (int d = 0; d < dim; d++)
+                q_tiles[((j / group * dim + d) / 2 * TILE + j) * 2 + d % 2] = q[j * dim + d];
+        const __m512i column = _mm512_mullo_epi32(_mm512_setr_epi32(
+            0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), _mm512_set1_epi32(TILE));
+        for (int t0 = 0; t0 < len; t0 += TILE) {
+            /* a tile lies in one page (block_size is a multiple of 16): its rows are row apart;
+             * past len they are the page's unused slots, whose scores are never read */
+            const uint16_t *first = token_row(k_cache, table, t0 / block_size, t0 % block_size,
+                                              block_size, row);
+            ahead_rows(k_cache, v_cache, table, len, t0 + AHEAD * TILE, block_size, row, zero,
+                       ahead);
+            _tile_zero(0);
+            for (int c = 0; c < span / 32; c++) {
+                _tile_loadd(1, first + 32 * c, row * 2);
+                _tile_loadd(2, q_tiles + c * TILE * TILE * 2, TILE * 4);
+                _tile_dpbf16ps(0, 1, 2);
+                for (int t = c; t < TILE; t += span / 32)
+                    for (int b = 0; b < row_lines; b++)
+                        _mm_prefetch((const char *)ahead[t] + 64 * b, _MM_HINT_T2);
+            }
+            _tile_stored(0, tile_scores, TILE * 4);
+            for (int j = 0; j < nq; j++)
+                _mm512_storeu_ps(scores + (int64_t)j * padded + t0, _mm512_mul_ps(
+                    _mm512_i32gather_ps(_mm512_add_epi32(column, _mm512_set1_epi32(j)),
+                                        tile_scores, 4), _mm512_set1_ps(scale)));
+        }
+    }
+#endif
+    for (int t0 = 0; t0 < len && !(AMX_SCORES && amx); t0 += TILE) {
         tile_rows(k_cache, table, t0, len - t0 < TILE ? len - t0 : TILE, block_size, row, zero,
                   rows);
         ahead_rows(k_cache, v_cache, table, len, t0 + AHEAD * TILE, block_size, row, zero, ahead);
@@ -209,7 +270,8 @@ static inline void attend(const uint16_t *q, const uint16_t *k_cache, const uint
  * (two bfloat16 a float). */
 static size_t attend_scratch(int nq, int dim, int span, int longest) {
     const size_t padded = (size_t)(longest + TILE - 1) / TILE * TILE;
-    return nq * dim + nq * padded + (nq * padded + TILE * span + span + 1) / 2;
+    return nq * dim + nq * padded + (nq * padded + TILE * span + span + 1) / 2
+           + span * TILE + TILE * TILE;
 }
 
 #endif
@@ -237,10 +299,15 @@ int paged_decode_attention(const uint16_t *q, int64_t q_stride,
     int longest = 0, failed = 0;
     for (int i = 0; i < n; i++) longest = context_lens[i] > longest ? context_lens[i] : longest;
     const size_t floats = attend_scratch(per * group, head_dim, per * head_dim, longest);
+    /* AMX scores take a tile in one page and every query head of an item in one result tile */
+    const int amx = AMX_SCORES && block_size % TILE == 0 && per * group <= TILE && has_amx();
 
     #pragma omp parallel num_threads(threads)
     {
         float *buf = malloc(sizeof(float) * floats);
+#if AMX_SCORES
+        if (amx) configure_score_tiles();
+#endif
         #pragma omp for schedule(dynamic, 1)
         for (int item = 0; item < n * split; item++) {
             if (buf == NULL) {
@@ -254,11 +321,11 @@ int paged_decode_attention(const uint16_t *q, int64_t q_stride,
             if (head_dim == 64)
                 attend(q + i * q_stride + qoff, k_cache + kvoff, v_cache + kvoff, table,
                        context_lens[i], out + i * out_stride + qoff, per, group, 64, row,
-                       block_size, scale, buf);
+                       block_size, scale, amx, buf);
             else
                 attend(q + i * q_stride + qoff, k_cache + kvoff, v_cache + kvoff, table,
                        context_lens[i], out + i * out_stride + qoff, per, group, 128, row,
-                       block_size, scale, buf);
+                       block_size, scale, amx, buf);
         }
         free(buf);
     }
