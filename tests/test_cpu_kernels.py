@@ -247,9 +247,10 @@ def test_linear_reads_blocks_only_up_to_max_rows(block_kernel):
 
 
 def test_decode_stack_matches_the_layers(monkeypatch, default_gguf_path):
-    """Each step of a few decodes runs through both the one-call stack and the layers one by
-    one, on the same inputs: the same hidden states up to rare one-step bfloat16 differences
-    (SiLU's float32 exp and division, as C and PyTorch compute them, can round apart)."""
+    """Each step, the prompts' (their tokens as queries of their own, causal by context length)
+    and then a few decodes', runs through both the one-call stack and the layers one by one, on
+    the same inputs: the same hidden states up to rare one-step bfloat16 differences (SiLU's
+    float32 exp and division, as C and PyTorch compute them, can round apart)."""
     quant_kernel()
     from conveyor import LLM, SamplingParams
     from conveyor.model.model import Transformer
@@ -274,7 +275,7 @@ def test_decode_stack_matches_the_layers(monkeypatch, default_gguf_path):
     llm.generate(["The capital of France is", "Once upon a time", "def f(x):", "1, 2, 3,",
                   "Water boils at", "import numpy as"],
                  SamplingParams(temperature=0, max_tokens=10, ignore_eos=True), use_tqdm=False)
-    assert len(compared) == 9
+    assert len(compared) == 10 and len(compared[0][0]) > 6  # the prompts' step, then decodes
     differing = []
     for ours, layers in compared:
         diff = (ours - layers).abs()
@@ -282,6 +283,40 @@ def test_decode_stack_matches_the_layers(monkeypatch, default_gguf_path):
         differing.append((diff > 0).float().mean().item())
     assert sum(differing) / len(differing) < 0.2
     assert differing.count(0.0) >= len(differing) // 2
+
+
+def test_prompt_tokens_as_queries_match_sdpa(monkeypatch, default_gguf_path):
+    """Short prompts' tokens through the decode kernel, each a query of its own (one call of
+    the decode stack), and through SDPA (the layers one by one): the same next tokens, and
+    log-probabilities within bfloat16's reach."""
+    quant_kernel()
+    from conveyor import LLM, SamplingParams
+    from conveyor.model import runner
+    from conveyor.model.model import Transformer
+
+    llm = LLM(model=default_gguf_path, dtype="bfloat16", enable_prefix_caching=False)
+    forward, with_prefills = Transformer.forward, []
+
+    def spy(self, input_ids, cos, sin, kv_caches, meta):
+        with_prefills.append(bool(meta.prefills))
+        return forward(self, input_ids, cos, sin, kv_caches, meta)
+
+    monkeypatch.setattr(Transformer, "forward", spy)
+    prompts = ["The capital of France is", "Once upon a time, in a land far away,",
+               "def fibonacci(n):", "Water boils at a temperature of"]
+    params = SamplingParams(temperature=0, max_tokens=1, logprobs=3)
+    outputs = {}
+    for mode, work in (("queries", runner.UNIFIED_CHUNK_WORK), ("sdpa", 0)):
+        monkeypatch.setattr(runner, "UNIFIED_CHUNK_WORK", work)
+        with_prefills.clear()
+        outputs[mode] = llm.generate(prompts, params, use_tqdm=False)
+        assert with_prefills == [mode == "sdpa"]
+    for ours, theirs in zip(outputs["queries"], outputs["sdpa"]):
+        a, b = ours.outputs[0], theirs.outputs[0]
+        assert a.token_ids == b.token_ids
+        for tid, lp in a.logprobs[0].items():
+            if tid in b.logprobs[0]:
+                assert abs(lp.logprob - b.logprobs[0][tid].logprob) < 0.1
 
 
 def test_argmax_rows_finds_the_first_maximum():
