@@ -4,7 +4,9 @@ The runner lays a step's tokens out as all single-token queries first (decodes) 
 per multi-token chunk (prefills, one SDPA call each: there are few per step, bounded by the token
 budget). Decodes go, on the CPU in bfloat16, to one call of the paged decode kernel, which reads
 the pages in place (``cpu_kernels``); elsewhere to a few SDPA calls over gathered pages, one per
-group of similar context lengths so that short contexts are not padded to the longest.
+group of similar context lengths so that short contexts are not padded to the longest. Where the
+decode stack runs the step, short chunks' tokens are single-token queries too, each with its own
+context length (its position + 1), so the kernel's causal attention needs no mask.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ class PrefillChunk:
 @dataclass
 class DecodeGroup:
     start: int                    # first single-token query of the group in the flat batch
+                                  # (a decode, or one token of a short chunk)
     end: int
     block_tables: torch.Tensor    # [end - start, W] pages of each query's context (padded)
     context_lens: torch.Tensor    # [end - start] tokens each query attends to, its own included

@@ -12,9 +12,10 @@ the system C compiler, cached, and called through ctypes.
   tiles up to 512 rows, else with AVX-512 FMAs for a few rows.
 - ``argmax.c``: greedy sampling's argmax over each row of the logits (PyTorch's takes ~2 ms a
   step at 32 rows).
-- ``decode_stack.c``: all decoder layers of a decode-only step in one call (any batch the block
-  linear takes; 8 requests without AMX), made of the kernels above, so that such a step pays no
-  per-op Python cost.
+- ``decode_stack.c``: all decoder layers of a step of single-token queries in one call (any
+  batch the block linear takes; 8 requests without AMX), made of the kernels above, so that such
+  a step pays no per-op Python cost. Decodes, and the tokens of short prompt chunks as queries of
+  their own (``runner.UNIFIED_CHUNK_WORK``).
 
 They are used for bfloat16 on the CPU when a compiler is there; otherwise (or with
 ``CONVEYOR_CPU_KERNELS=off``) the model runs the plain PyTorch path (gather + SDPA, F.rms_norm),
