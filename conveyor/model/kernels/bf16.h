@@ -34,4 +34,26 @@ static inline __m512 bf16x16_to_f32(__m256i h) {
 #define CONVEYOR_AVX512_BF16 0
 #endif
 
+/* AMX tiles (quant_linear.c's products, paged_decode.c's scores), where the compiler targets it. */
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define CONVEYOR_AMX 1
+#include <immintrin.h>
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} __attribute__((packed)) TileConfig;
+
+/* This thread's tiles: all eight 16 rows of 64 bytes. */
+static inline void configure_tiles(void) {
+    TileConfig cfg = {0};
+    cfg.palette = 1;
+    for (int i = 0; i < 8; i++) cfg.rows[i] = 16, cfg.colsb[i] = 64;
+    _tile_loadconfig(&cfg);
+}
+#else
+#define CONVEYOR_AMX 0
+#endif
+
 #endif

@@ -1,10 +1,12 @@
 /* Decode attention straight from the paged KV cache, for the CPU, in bfloat16.
  *
- * One query token per request. Each request's pages are read once, in place: no gather into a
- * contiguous copy, no padding to the batch's longest context, and the query heads that share a
- * KV head are served by the same read. Products take the cache's bfloat16 pairs as they are
+ * One query token per row (a decode, or a short prompt's token with the context up to it). Each
+ * row's pages are read once, in place: no gather into a contiguous copy, no padding to the
+ * batch's longest context, and the query heads that share a KV head are served by the same
+ * read. Products take the cache's bfloat16 pairs as they are
  * (vdpbf16ps), scores and sums are float32, and the softmax's weights are rounded to bfloat16
  * for the weighted sum of values, as PyTorch's CPU flash attention does for bfloat16 inputs.
+ * With AMX, a tile's scores are tile products instead, read straight from the page.
  *
  * The context is walked in tiles of 16 tokens. A query's 16 dot products with a tile are summed
  * across lanes together (`sum_each`, ~3 shuffles a score instead of ~8 for one reduction at a
@@ -29,26 +31,10 @@
 
 int has_amx(void);  /* quant_linear.c: AMX built, allowed by the OS, and not switched off */
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-#define AMX_SCORES 1
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} __attribute__((packed)) ScoreTiles;
-
-/* This thread's tiles for the scores: 0, a tile's scores (16 tokens x 16 query heads, float32);
- * 1, 32 dimensions of 16 cached K rows (bfloat16); 2, the same dimensions of the queries, in
- * pairs (16 pairs x 16 query heads). */
-static void configure_score_tiles(void) {
-    ScoreTiles cfg = {0};
-    cfg.palette = 1;
-    for (int i = 0; i < 3; i++) cfg.rows[i] = 16, cfg.colsb[i] = 64;
-    _tile_loadconfig(&cfg);
-}
-#else
-#define AMX_SCORES 0
-#endif
+/* With AMX (configure_tiles, bf16.h), the scores take tiles 0, a tile's scores (16 tokens x 16
+ * query heads, float32); 1, 32 dimensions of 16 cached K rows (bfloat16); 2, the same dimensions
+ * of the queries, in pairs (16 pairs x 16 query heads). */
+#define AMX_SCORES CONVEYOR_AMX
 
 /* r[i] = the sum of the 16 lanes of a[i]: pairs are folded together by halving the width
  * (512 -> 256 -> 128 -> 64 -> 32 bits), so each step serves several vectors at once. The last
@@ -306,7 +292,7 @@ int paged_decode_attention(const uint16_t *q, int64_t q_stride,
     {
         float *buf = malloc(sizeof(float) * floats);
 #if AMX_SCORES
-        if (amx) configure_score_tiles();
+        if (amx) configure_tiles();
 #endif
         #pragma omp for schedule(dynamic, 1)
         for (int item = 0; item < n * split; item++) {
@@ -327,6 +313,9 @@ int paged_decode_attention(const uint16_t *q, int64_t q_stride,
                        context_lens[i], out + i * out_stride + qoff, per, group, 128, row,
                        block_size, scale, amx, buf);
         }
+#if AMX_SCORES
+        if (amx) _tile_release();
+#endif
         free(buf);
     }
     return failed ? -2 : 0;

@@ -144,24 +144,10 @@ static inline __attribute__((always_inline)) void rows_times_blocks(
  * x[m][2i+1] for 16 rows m), and the 16 x 16 float32 results are transposed back on the way out.
  * Dequantizing a block (~11 vector ops, ~2.5-4 ns here) costs the same at any row count, while a
  * tile product (16 x 16 x 32) takes ~6-16 ns: up to ~64 rows the dequantizing is most of it. */
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#if CONVEYOR_AMX
 #include <sys/syscall.h>
 #include <unistd.h>
 #define AMX_BUILT 1
-
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} __attribute__((packed)) TileConfig;
-
-/* This thread's tiles: all eight 16 rows of 64 bytes. */
-static void configure_tiles(void) {
-    TileConfig cfg = {0};
-    cfg.palette = 1;
-    for (int i = 0; i < 8; i++) cfg.rows[i] = 16, cfg.colsb[i] = 64;
-    _tile_loadconfig(&cfg);
-}
 
 /* 16 rows of 16 dwords (64 bytes) at src, src_stride bytes apart, transposed into dst. */
 static inline void transpose16(const void *src, int64_t src_stride, void *dst,
