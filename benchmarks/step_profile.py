@@ -163,9 +163,10 @@ def main() -> None:
     clock(model, "forward", forward_spent, "network")
 
     totals, rounds = [], []
-    for r in range(args.rounds):
+    num_rounds = min(args.rounds, args.steps)  # every round times at least one step
+    for r in range(num_rounds):
         times = []
-        for _ in range(args.steps * (r + 1) // args.rounds - args.steps * r // args.rounds):
+        for _ in range(args.steps * (r + 1) // num_rounds - args.steps * r // num_rounds):
             t = time.perf_counter()
             engine.step()
             times.append(time.perf_counter() - t)

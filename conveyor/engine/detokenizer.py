@@ -6,8 +6,8 @@ is decoded alone. Both are avoided by decoding a short window that starts a few 
 emitting only what that window adds once it no longer ends in U+FFFD (vLLM's offsets scheme).
 
 Each token takes two decodes of that window. Where the transformers tokenizer only hands the ids
-to its Rust backend (no clean-up of tokenization spaces), the backend is called directly: 2 us a
-decode against 8 us through the wrapper, ~1 ms a step at 64 requests.
+to its Rust backend (no clean-up of tokenization spaces), the backend is called directly: 3 us a
+token against 13 through the wrapper, ~0.6 ms a step at 64 requests.
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ _CONTEXT_TOKENS = 5
 
 class IncrementalDetokenizer:
     def __init__(self, tokenizer, prompt_token_ids: list[int], stop: list[str]) -> None:
-        self.tokenizer = tokenizer
         context = prompt_token_ids[-_CONTEXT_TOKENS:]
         self.tokens: list[int] = list(context)
         self.prefix_offset = 0

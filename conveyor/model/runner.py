@@ -117,15 +117,13 @@ class ModelRunner:
 
         bs = self.block_size
         groups, offset = [], 0
-        if unified:  # (request, its query's context length), a row each
-            decode_groups = [[(r, r.num_computed_tokens + 1) for r in queries]
-                             + [(r, r.num_computed_tokens + i + 1) for r, n in chunks
-                                for i in range(n)]]
-            chunks_as_prefills = []
-        else:
-            decode_groups = [[(r, r.num_computed_tokens + 1) for r in g] for g in decode_groups]
-            chunks_as_prefills = chunks
-        for group in decode_groups:
+        # (request, its query's context length), a row each
+        query_groups = [[(r, r.num_computed_tokens + 1) for r in g] for g in decode_groups]
+        if unified:  # one group (the kernel's): the decodes, then every chunk token
+            query_groups = [[row for g in query_groups for row in g]
+                            + [(r, r.num_computed_tokens + i + 1) for r, n in chunks
+                               for i in range(n)]]
+        for group in query_groups:
             width = max(len(r.block_ids) for r, _ in group)
             # int32, as the kernel reads them (index_select and the mask take int32 too)
             tables = self._tensor([r.block_ids + [0] * (width - len(r.block_ids))
@@ -138,7 +136,7 @@ class ModelRunner:
             offset += len(group)
 
         prefills = []
-        for r, n in chunks_as_prefills:
+        for r, n in ([] if unified else chunks):
             ctx = r.num_computed_tokens
             if ctx == 0:
                 prefills.append(PrefillChunk(offset, offset + n, n, None, None))

@@ -94,6 +94,11 @@ static inline void ahead_rows(const uint16_t *k_cache, const uint16_t *v_cache,
     tile_rows(cache, table, n ? t : 0, n, block_size, row, zero, rows);
 }
 
+/* Lines b0, b0 + step, ... (below `lines`) of a row, into L2. */
+static inline void prefetch_row(const uint16_t *r, int b0, int step, int lines) {
+    for (int b = b0; b < lines; b += step) _mm_prefetch((const char *)r + 64 * b, _MM_HINT_T2);
+}
+
 /* One request and `heads` consecutive KV heads (whose slices of a cached token are adjacent, so
  * each row is read front to back), each with its `group` query heads: scores against every
  * cached token, softmax, weighted sum of values.
@@ -125,9 +130,7 @@ static inline void attend(const uint16_t *q, const uint16_t *k_cache, const uint
     const uint16_t *ahead[TILE];
     for (int a = 0; a < AHEAD; a++) {
         ahead_rows(k_cache, v_cache, table, len, a * TILE, block_size, row, zero, ahead);
-        for (int t = 0; t < TILE; t++)
-            for (int b = 0; b < row_lines; b++)
-                _mm_prefetch((const char *)ahead[t] + 64 * b, _MM_HINT_T2);
+        for (int t = 0; t < TILE; t++) prefetch_row(ahead[t], 0, 1, row_lines);
     }
 
 #if AMX_SCORES
@@ -152,9 +155,7 @@ static inline void attend(const uint16_t *q, const uint16_t *k_cache, const uint
                 _tile_loadd(1, first + 32 * c, row * 2);
                 _tile_loadd(2, q_tiles + c * TILE * TILE * 2, TILE * 4);
                 _tile_dpbf16ps(0, 1, 2);
-                for (int t = c; t < TILE; t += span / 32)
-                    for (int b = 0; b < row_lines; b++)
-                        _mm_prefetch((const char *)ahead[t] + 64 * b, _MM_HINT_T2);
+                for (int t = c; t < TILE; t += span / 32) prefetch_row(ahead[t], 0, 1, row_lines);
             }
             _tile_stored(0, tile_scores, TILE * 4);
             for (int j = 0; j < nq; j++)
@@ -175,8 +176,7 @@ static inline void attend(const uint16_t *q, const uint16_t *k_cache, const uint
             for (int v = 0; v < nv; v++)
                 qv[v] = (__m512bh)_mm512_loadu_si512(q + j * dim + 32 * v);
             for (int t = 0; t < TILE; t++) {
-                for (int b = j; b < row_lines; b += nq)
-                    _mm_prefetch((const char *)ahead[t] + 64 * b, _MM_HINT_T2);
+                prefetch_row(ahead[t], j, nq, row_lines);
                 __m512 s = _mm512_setzero_ps();
                 for (int v = 0; v < nv; v++)
                     s = _mm512_dpbf16_ps(s, qv[v],
@@ -224,10 +224,8 @@ static inline void attend(const uint16_t *q, const uint16_t *k_cache, const uint
             __m512 a[2 * MAXV];
             for (int v = 0; v < 2 * nv; v++) a[v] = _mm512_loadu_ps(acc + j * dim + 16 * v);
             for (int p = 0; p < np; p++) {
-                for (int b = j; b < row_lines; b += nq) {
-                    _mm_prefetch((const char *)ahead[2 * p] + 64 * b, _MM_HINT_T2);
-                    _mm_prefetch((const char *)ahead[2 * p + 1] + 64 * b, _MM_HINT_T2);
-                }
+                prefetch_row(ahead[2 * p], j, nq, row_lines);
+                prefetch_row(ahead[2 * p + 1], j, nq, row_lines);
                 const __m512bh wp = (__m512bh)_mm512_set1_epi32((int)w[p]);
                 for (int v = 0; v < 2 * nv; v++)
                     a[v] = _mm512_dpbf16_ps(a[v], (__m512bh)_mm512_loadu_si512(
