@@ -45,12 +45,14 @@ typedef struct {
     uint8_t rows[16];
 } __attribute__((packed)) TileConfig;
 
-/* This thread's tiles: all eight 16 rows of 64 bytes. */
+/* This thread's tiles: all eight 16 rows of 64 bytes. The asm names all 64 bytes of the config
+ * as read: GCC 12's _tile_loadconfig names only the first 8, so the compiler may drop the
+ * stores of the rest as dead (it did, in a test program: ldtilecfg then faulted). */
 static inline void configure_tiles(void) {
     TileConfig cfg = {0};
     cfg.palette = 1;
     for (int i = 0; i < 8; i++) cfg.rows[i] = 16, cfg.colsb[i] = 64;
-    _tile_loadconfig(&cfg);
+    __asm__ volatile("ldtilecfg %0" : : "m"(cfg));
 }
 #else
 #define CONVEYOR_AMX 0
