@@ -94,7 +94,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_serve_args(p)
     p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--server-flags", default="--dtype bfloat16 --max-num-seqs 64")
+    p.add_argument("--server-flags", default="--max-num-seqs 64")
     p.add_argument("--screenshot", default=None, help="PNG of the page mid-load (first round)")
     args = p.parse_args()
     if args.num_prompts == 100:  # hundreds in flight by default

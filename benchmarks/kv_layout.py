@@ -61,7 +61,7 @@ def run(layout: str, args, workload) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default=None)
-    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--dtype", default="auto")
     p.add_argument("--num-prompts", type=int, default=96)
     p.add_argument("--num-kv-blocks", type=int, default=1024,
                    help="the shared budget: 1024 pages x 16 tokens = 8 regions of 2048")

@@ -60,10 +60,11 @@ def run_conveyor(requests, policy: str, args) -> float:
 def run_transformers(requests, args) -> float:
     import transformers
 
+    from conveyor.config import EngineConfig
     from conveyor.model.loader import default_model_path
 
     path = args.model or default_model_path()
-    dtype = torch.float32 if args.dtype == "float32" else torch.bfloat16
+    dtype = EngineConfig(dtype=args.dtype).torch_dtype(None, torch.device("cpu"))  # Conveyor's
     if path.endswith(".gguf"):
         kw = dict(gguf_file=os.path.basename(path))
         path = os.path.dirname(path)
@@ -91,7 +92,7 @@ def run_transformers(requests, args) -> float:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default=None)
-    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--dtype", default="auto")
     p.add_argument("--num-prompts", type=int, default=128)
     p.add_argument("--max-num-seqs", type=int, default=32)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)

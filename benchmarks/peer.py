@@ -44,7 +44,7 @@ def main() -> None:
     p.add_argument("--input-range", type=int, nargs=2, default=[40, 220])
     p.add_argument("--output-range", type=int, nargs=2, default=[16, 256])
     p.add_argument("--llama-flags", default="-np 16 -c 16384 -t 2")
-    p.add_argument("--conveyor-flags", default="--dtype bfloat16 --max-num-seqs 32")
+    p.add_argument("--conveyor-flags", default="--max-num-seqs 32")
     p.add_argument("--only", choices=["llama", "conveyor"], default=None)
     args = p.parse_args()
     if not args.llama_server and args.only != "conveyor":

@@ -63,7 +63,7 @@ def main() -> None:
     args.ignore_eos = True
     requests = workload(load_tokenizer(args.tokenizer), args.num_prompts, args.system_len,
                         args.question_len, args.output_len, args.seed)
-    flags = ["--dtype", "bfloat16", "--kv-cache-memory", "512MiB", "--max-num-seqs", "64"]
+    flags = ["--kv-cache-memory", "512MiB", "--max-num-seqs", "64"]
     if args.server_model:
         flags += ["--model", args.server_model]
     rows = {}

@@ -1,5 +1,9 @@
 """Where a decode step goes, at a given batch size, and how close its linears come to the machine.
 
+Also measures the machine's float32 multiply-add peak at this CPU tier's vector width (12
+chains of FMAs in registers on every thread) and prints the block linears' rate, and the whole
+step's linear rate, as shares of it.
+
 Fills a batch with ``--batch`` requests of ``--context`` prompt tokens, lets them all reach
 decode, then times ``--steps`` decode steps through ``LLMEngine.step`` with each phase clocked:
 scheduling, input preparation, the network (linears, attention and the rest, or, for a
@@ -30,7 +34,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from conveyor.config import EngineConfig  # noqa: E402
 from conveyor.engine.engine import LLMEngine  # noqa: E402
 from conveyor.model import model as model_module  # noqa: E402
-from conveyor.model.cpu_kernels import DecodeStack, QuantLinear  # noqa: E402
+from conveyor.kernels import isa  # noqa: E402
+from conveyor.kernels.bindings import QuantLinear  # noqa: E402
+from conveyor.kernels.library import fma_peak  # noqa: E402
 from conveyor.model.model import can_prepack  # noqa: E402
 from conveyor.sampling_params import SamplingParams  # noqa: E402
 
@@ -53,7 +59,7 @@ class _Clocked:
 
 
 STACK = "all decoder layers in one call (decode_stack)"
-BF16_WEIGHTS = ("plain", "prepacked")  # the ways of linear_calls whose weights are bfloat16
+DENSE_WEIGHTS = ("plain", "prepacked")  # the ways of linear_calls with dense weights
 
 
 def clock(obj, name: str, spent: dict[str, float], label: str) -> None:
@@ -63,23 +69,26 @@ def clock(obj, name: str, spent: dict[str, float], label: str) -> None:
 
 def linear_calls(model, m: int, dtype: torch.dtype) -> tuple[float, dict[str, list]]:
     """GFLOP in one pass of the model's linears at M=m, and that pass as calls (each on a fixed
-    input) done three ways: plain (``F.linear``), prepacked for oneDNN and, where the model
-    reads GGUF blocks at this M, with its layers' linears read from those blocks. Taken before
-    the step's clocks go in, so timing them does not count as the step's linears."""
+    input) done up to three ways: plain (``F.linear``, where the model keeps dense weights),
+    prepacked for oneDNN (bfloat16) and, where the model reads GGUF blocks at this M, with its
+    layers' linears and head read from those blocks. Taken before the step's clocks go in, so
+    timing them does not count as the step's linears."""
     layers = [mod for mod in model.layers.modules() if isinstance(mod, torch.nn.Linear)]
-    weights = [mod.weight for mod in layers]
-    weights.append(model.tok_embeddings.weight if model.output is None else model.output.weight)
-    flop = sum(2 * m * w.shape[0] * w.shape[1] for w in weights)
-    xs = [torch.randn(m, w.shape[1], dtype=dtype) for w in weights]
-    calls = {"plain": [partial(F.linear, x, w) for x, w in zip(xs, weights)]}
+    head = model.tok_embeddings.weight if model.output is None else model.output.weight
+    shapes = [(mod.out_features, mod.in_features) for mod in layers] + [tuple(head.shape)]
+    flop = sum(2 * m * n * k for n, k in shapes)
+    xs = [torch.randn(m, k, dtype=dtype) for _, k in shapes]
+    calls = {}
+    weights = [mod.weight for mod in layers] + [head]
+    if all(w.numel() for w in weights):
+        calls["plain"] = [partial(F.linear, x, w) for x, w in zip(xs, weights)]
     if can_prepack(torch.device("cpu"), dtype):
         packed = [torch.ops.mkldnn._reorder_linear_weight(w.detach(), 64) for w in weights]
         calls["prepacked"] = [partial(torch.ops.mkldnn._linear_pointwise, x, p, None, "none",
                                       [], "") for x, p in zip(xs, packed)]
-        if any(mod.quant_linear is not None and m <= mod.quant_linear.max_rows
-               for mod in layers):
-            calls["GGUF blocks"] = [partial(mod.forward, x) for mod, x in zip(layers, xs)] + (
-                calls["prepacked"][-1:])
+    if any(mod.quant_linear is not None and m <= mod.quant_linear.max_rows for mod in layers):
+        calls["GGUF blocks"] = [partial(mod.forward, x) for mod, x in zip(layers, xs)] + [
+            partial(model.compute_logits, xs[-1])]
     return flop / 1e9, calls
 
 
@@ -101,7 +110,7 @@ def linear_rates(gflop: float, calls: dict[str, list], repeats: int) -> dict[str
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default=None)
-    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--dtype", default="auto")
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--context", type=int, default=256, help="prompt tokens per request")
     p.add_argument("--steps", type=int, default=20, help="decode steps timed, in all")
@@ -113,12 +122,11 @@ def main() -> None:
                    help="also print torch.profiler's top ROWS ops by self CPU time (5 steps)")
     p.add_argument("--quant-linear-rows", type=int, default=None, metavar="N",
                    help="read linears from the GGUF's blocks up to N rows (0: never; default: "
-                        f"{QuantLinear.AMX_ROWS} with AMX, else {QuantLinear.FMA_ROWS})")
+                        f"every row in float32, {QuantLinear.AMX_ROWS} with AMX, else "
+                        f"{QuantLinear.FMA_ROWS})")
     p.add_argument("--decode-stack-rows", type=int, default=None, metavar="N",
                    help="run decode steps of up to N requests through decode_stack (0: never; "
                         "default: as many as the block linears take)")
-    p.add_argument("--no-amx", action="store_true",
-                   help="the block linears with AVX-512 FMAs instead of AMX (to compare)")
     args = p.parse_args()
     engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, max_num_seqs=args.batch,
                                     max_num_batched_tokens=max(2048, args.batch),
@@ -128,10 +136,6 @@ def main() -> None:
     model = engine.runner.model
     kernel = next((mod.quant_linear for mod in model.layers.modules()
                    if getattr(mod, "quant_linear", None) is not None), None)
-    if args.no_amx and kernel is not None:
-        kernel.set_amx(False)
-        if model.decode_stack is not None:  # its row limit was fixed when it was built
-            model.decode_stack.max_rows = min(model.decode_stack.max_rows, DecodeStack.FMA_ROWS)
     if args.quant_linear_rows is not None and kernel is not None:  # one kernel, every linear's
         kernel.max_rows = args.quant_linear_rows
     if args.decode_stack_rows is not None and model.decode_stack is not None:
@@ -192,19 +196,34 @@ def main() -> None:
     print(f"  scheduler + input preparation + sampling: {overhead / step:.1%} of the step")
     print(f"linear FLOPs per step {gflop:.1f} GFLOP; each round: the median step, the model's "
           f"linears alone at M={args.batch} right after it, and the step's share of the best")
-    shares, bf16_shares = [], []
+    peak = fma_peak(torch.get_num_threads())
+    shares, dense_shares, peak_shares = [], [], []
     for i, (median, rates) in enumerate(rounds):
         achieved = gflop / median
         shares.append(achieved / max(rates.values()))
-        bf16_shares.append(achieved / max(rates[k] for k in BF16_WEIGHTS if k in rates))
+        dense = [rates[k] for k in DENSE_WEIGHTS if k in rates]
+        if dense:
+            dense_shares.append(achieved / max(dense))
+        if "GGUF blocks" in rates and peak:
+            peak_shares.append(rates["GGUF blocks"] / peak)
         alone = ", ".join(f"{k} {v:.0f}" for k, v in rates.items())
         print(f"  round {i + 1}: step {median * 1e3:.1f} ms = {achieved:.0f} GFLOP/s; linears "
-              f"alone: {alone} GFLOP/s; {shares[-1]:.0%} of the best, {bf16_shares[-1]:.0%} of "
-              f"the best with bfloat16 weights")
-    print(f"the whole step reaches {statistics.median(shares):.0%} of the best linear rate, "
-          f"{statistics.median(bf16_shares):.0%} of the best with bfloat16 weights (plain or "
-          f"prepacked; the GGUF blocks are 4-bit weights widened to bfloat16 as they are read), "
-          f"medians of {len(shares)} rounds")
+              f"alone: {alone} GFLOP/s; {shares[-1]:.0%} of the best"
+              + (f", {dense_shares[-1]:.0%} of the best with dense weights" if dense else ""))
+    print(f"the whole step reaches {statistics.median(shares):.0%} of the best linear rate"
+          + (f", {statistics.median(dense_shares):.0%} of the best with dense {args.dtype} "
+             f"weights (plain or prepacked; the GGUF blocks are 4-bit weights widened as they "
+             f"are read)" if dense_shares else "") + f", medians of {len(shares)} rounds")
+    if peak:
+        print(f"FMA peak of this machine (tier {isa.current().tier}: float32 multiply-adds at its "
+              f"vector width, {torch.get_num_threads()} threads): {peak:.0f} GFLOP/s")
+        if peak_shares:
+            blocks = statistics.median(r["GGUF blocks"] for _, r in rounds)
+            print(f"  the block linears alone at M={args.batch}: {blocks:.0f} GFLOP/s = "
+                  f"{statistics.median(peak_shares):.0%} of the peak (median of rounds)")
+        step_rate = statistics.median(gflop / median for median, _ in rounds)
+        print(f"  the whole step's linear FLOPs: {step_rate:.0f} GFLOP/s = "
+              f"{step_rate / peak:.0%} of the peak")
     if args.torch_profile:
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
             for _ in range(5):

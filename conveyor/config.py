@@ -10,6 +10,7 @@ import torch
 
 from conveyor.engine.kv_cache_manager import KV_LAYOUTS
 from conveyor.engine.scheduler import POLICIES, SCHEDULING_POLICIES
+from conveyor.kernels import isa
 
 _DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
            "float16": torch.float16, "half": torch.float16}
@@ -86,14 +87,34 @@ class EngineConfig:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
     def torch_dtype(self, checkpoint_dtype: str | None, device: torch.device) -> torch.dtype:
-        """auto: bfloat16 (the fast path here), unless the checkpoint itself is float32."""
+        """auto: float32 for a float32 checkpoint; else on CUDA the checkpoint's half type, and on
+        a CPU bfloat16 only where it computes bfloat16 natively (the avx512 and amx tiers, ARM's
+        BF16), float32 elsewhere. An explicit bfloat16 on a CPU without it is refused."""
+        cpu = isa.current()
         if self.dtype != "auto":
-            return _DTYPES[self.dtype]
+            dtype = _DTYPES[self.dtype]
+            if device.type == "cpu" and dtype == torch.bfloat16 and not cpu.native_bf16:
+                raise ValueError(
+                    f"dtype bfloat16 needs a CPU with bfloat16 arithmetic (AVX512_BF16 or AMX, "
+                    f"or ARM's BF16); this one runs kernel tier {cpu.describe()}: use --dtype "
+                    f"auto or float32")
+            return dtype
         if checkpoint_dtype == "float32":
             return torch.float32
-        if checkpoint_dtype == "float16" and device.type == "cuda":
-            return torch.float16
-        return torch.bfloat16
+        if device.type == "cuda":
+            return torch.float16 if checkpoint_dtype == "float16" else torch.bfloat16
+        return torch.bfloat16 if cpu.native_bf16 else torch.float32
+
+    def dtype_reason(self, checkpoint_dtype: str | None, device: torch.device) -> str:
+        """Why ``torch_dtype`` chose what it did, for the start-up log and /version."""
+        if self.dtype != "auto":
+            return "as asked"
+        if checkpoint_dtype == "float32":
+            return "auto: the checkpoint is float32"
+        if device.type == "cuda":
+            return "auto: CUDA"
+        return ("auto: the CPU computes bfloat16 natively" if isa.current().native_bf16
+                else "auto: the CPU has no bfloat16 arithmetic")
 
     def kv_cache_bytes(self, device: torch.device) -> int:
         if self.kv_cache_memory is not None:

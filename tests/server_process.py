@@ -15,7 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 SERVE = [sys.executable, "-m", "conveyor.cli", "serve"]
 # Small enough for 2 CPU cores; the pool holds 512 x 16 tokens.
-COMMON_ARGS = ["--dtype", "bfloat16", "--num-kv-blocks", "512", "--max-model-len", "1024"]
+COMMON_ARGS = ["--num-kv-blocks", "512", "--max-model-len", "1024"]
 
 
 def free_port() -> int:

@@ -1,6 +1,7 @@
-"""The CPU kernels against the plain PyTorch path they replace: the decode kernel against
-gather + SDPA on random paged caches, the fused add + RMSNorm against RMSNorm's own formula, the
-GGUF-block linear against ``F.linear`` on the loader's bfloat16 weights."""
+"""The CPU kernels against the plain PyTorch path they replace, at every tier this machine can
+run (on an AVX-512 machine the avx2 and generic tiers too) and in each dtype the tier computes:
+the decode kernel against gather + SDPA on random paged caches, the fused add + RMSNorm against
+RMSNorm's own formula, the GGUF-block linear against ``F.linear`` on the loader's weights."""
 
 from __future__ import annotations
 
@@ -13,20 +14,26 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from conveyor.kernels import isa
+from conveyor.kernels.library import cpu_kernels, kernels_at
 from conveyor.model.attention import gather_pages, write_kv
-from conveyor.model.cpu_kernels import cpu_kernels
-from conveyor.model.gguf_file import QuantizedWeight
 from conveyor.model.config import ModelConfig
+from conveyor.model.gguf_file import QuantizedWeight
 from conveyor.model.model import Linear, RMSNorm, apply_rope, rope_tables
 
-# Where a compiler exists the kernel must build: a broken build fails here instead of skipping.
+# Where a compiler exists the kernels must build: a broken build fails here instead of skipping.
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
                                 reason="no C compiler")
 
+RUNNABLE = isa.TIERS[:isa.TIERS.index(isa.current().detected) + 1]
+F32, BF16 = torch.float32, torch.bfloat16
+CASES = [pytest.param(t, F32, id=f"{t}-f32") for t in RUNNABLE] + [
+    pytest.param(t, BF16, id=f"{t}-bf16") for t in RUNNABLE if t in isa.BF16_TIERS]
 
-def built_kernels(head_dim: int):
-    kernels = cpu_kernels(torch.device("cpu"), torch.bfloat16, head_dim)
-    assert kernels is not None, "the CPU kernels did not build (see the warning above)"
+
+def built(tier: str, dtype: torch.dtype, head_dim: int = 64):
+    kernels = kernels_at(tier, dtype, head_dim)
+    assert kernels is not None, f"the {tier} kernels did not build (see the warning above)"
     return kernels
 
 
@@ -42,22 +49,29 @@ def reference(q, k_cache, v_cache, tables, lens):
     return o.reshape(n, heads, dim)
 
 
+def close(dtype: torch.dtype, bf16: dict, f32: dict | None = None) -> dict:
+    """assert_close tolerances: bfloat16's as given, float32's a few float32 steps."""
+    return bf16 if dtype == BF16 else (f32 or dict(rtol=1e-5, atol=1e-5))
+
+
+@pytest.mark.parametrize("tier,dtype", CASES)
 @pytest.mark.parametrize("heads,kv_heads,dim,block_size", [
     (9, 3, 64, 16),    # SmolLM2-135M
     (32, 8, 128, 16),  # Llama-3 / Mistral shapes
     (4, 4, 64, 8),     # no GQA, small pages
     (14, 2, 64, 32),   # Qwen2.5-0.5B's group of 7
+    (4, 2, 16, 16),    # the tiny test checkpoints (float32 only: bf16 takes 64 and 128)
 ])
-def test_kernel_matches_sdpa(block_kernel, heads, kv_heads, dim, block_size):
-    """With AMX on, pages of 16 and 32 take the scores' tile path (up to 16 query heads an
-    item); pages of 8 and AMX off, the vector path."""
-    kernel = built_kernels(dim).decode_attention
-    if kernel is None:
-        pytest.skip("this CPU lacks AVX-512 BF16: decodes gather pages and run SDPA")
+def test_decode_attention_matches_sdpa(tier, dtype, heads, kv_heads, dim, block_size):
+    """With AMX, pages of 16 and 32 take the scores' tile path (up to 16 query heads an item);
+    pages of 8, and the avx512 tier, the vector path."""
+    if dtype == BF16 and dim not in (64, 128):
+        pytest.skip("the bfloat16 kernel is specialised for head_dim 64 and 128")
+    kernel = built(tier, dtype, dim).decode_attention
     gen = torch.Generator().manual_seed(dim + heads)
     num_blocks = 64
-    k_cache = torch.randn(num_blocks, block_size, kv_heads, dim, generator=gen).bfloat16()
-    v_cache = torch.randn(num_blocks, block_size, kv_heads, dim, generator=gen).bfloat16()
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, dim, generator=gen).to(dtype)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, dim, generator=gen).to(dtype)
     # Contexts of one token, a page exactly, a page and one, and longer ones in shuffled pages.
     lens = torch.tensor([1, block_size, block_size + 1, 3 * block_size - 5, 5 * block_size + 7,
                          2], dtype=torch.int32)
@@ -65,37 +79,38 @@ def test_kernel_matches_sdpa(block_kernel, heads, kv_heads, dim, block_size):
     tables = torch.randperm(num_blocks, generator=gen)[:len(lens) * width].view(len(lens), width)
     tables = tables.to(torch.int32)
     # q as the model hands it over: the query heads of a wider q/k row (a strided view).
-    qk = torch.randn(len(lens), heads + kv_heads, dim, generator=gen).bfloat16()
+    qk = torch.randn(len(lens), heads + kv_heads, dim, generator=gen).to(dtype)
     q = qk[:, :heads]
-    out = torch.full((len(lens), heads, dim), float("nan"), dtype=torch.bfloat16)
+    out = torch.full((len(lens), heads, dim), float("nan"), dtype=dtype)
 
     kernel(q, k_cache, v_cache, tables, lens, out)
 
     expected = reference(q, k_cache, v_cache, tables, lens)
-    # Both accumulate in float32; they differ by summation order and the final bf16 rounding.
-    torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=1e-2)
+    # Both accumulate in float32; they differ by summation order (and bf16's roundings).
+    torch.testing.assert_close(out.float(), expected, **close(dtype, dict(atol=2e-2, rtol=1e-2)))
     # One token attends only to itself: the output is that token's V row, exactly.
     page, head_of = int(tables[0, 0]), torch.arange(heads) // (heads // kv_heads)
     assert torch.equal(out[0], v_cache[page, 0, head_of])
 
 
+@pytest.mark.parametrize("tier,dtype", CASES)
 @pytest.mark.parametrize("rows", [1, 3, 64])
 @pytest.mark.parametrize("with_residual", [True, False])
-def test_add_rms_norm_matches_rmsnorm(rows, with_residual):
-    kernels = built_kernels(64)
+def test_add_rms_norm_matches_rmsnorm(tier, dtype, rows, with_residual):
+    kernels = built(tier, dtype)
     gen = torch.Generator().manual_seed(rows)
-    plain = RMSNorm(576, 1e-5).bfloat16()
+    plain = RMSNorm(576, 1e-5).to(dtype)
     with torch.no_grad():
         plain.weight.copy_(torch.rand(576, generator=gen) * 2)
-    wide = (torch.randn(rows, 2 * 576, generator=gen) * 3).bfloat16()
+    wide = (torch.randn(rows, 2 * 576, generator=gen) * 3).to(dtype)
     x = wide[:, 576:]  # a strided view, as a slice of a wider activation would be
-    residual = (torch.randn(rows, 576, generator=gen) * 3).bfloat16() if with_residual else None
+    residual = (torch.randn(rows, 576, generator=gen) * 3).to(dtype) if with_residual else None
 
     if with_residual:
         want, want_residual = plain(x, residual.clone())
     else:
         want = plain(x)
-    fused = RMSNorm(576, 1e-5).bfloat16()
+    fused = RMSNorm(576, 1e-5).to(dtype)
     fused.load_state_dict(plain.state_dict())
     fused.fused = kernels.add_rms_norm
     if with_residual:
@@ -103,19 +118,21 @@ def test_add_rms_norm_matches_rmsnorm(rows, with_residual):
         assert got_residual is residual and torch.equal(residual, want_residual)
     else:
         got = fused(x)
-    # Only the float32 sum of squares is ordered differently: at most one bfloat16 step apart,
-    # and on few elements.
-    differ = got != want
-    assert differ.float().mean() < 0.02
-    torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -7, atol=0)
+    # Only the float32 sum of squares is ordered differently: in bfloat16 at most one step
+    # apart, and on few elements.
+    if dtype == BF16:
+        assert (got != want).float().mean() < 0.02
+    torch.testing.assert_close(got.float(), want.float(),
+                               **close(dtype, dict(rtol=2 ** -7, atol=0), dict(rtol=1e-5, atol=0)))
 
 
+@pytest.mark.parametrize("tier,dtype", CASES)
 @pytest.mark.parametrize("rows", [1, 5, 64])
-def test_silu_mul_matches_pytorch(rows):
-    kernels = built_kernels(64)
+def test_silu_mul_matches_pytorch(tier, dtype, rows):
+    kernels = built(tier, dtype)
     gen = torch.Generator().manual_seed(rows)
     inter = 1536
-    wide = (torch.randn(rows, 3 * inter, generator=gen) * 4).bfloat16()
+    wide = (torch.randn(rows, 3 * inter, generator=gen) * 4).to(dtype)
     gate_up = wide[:, inter:]  # strided rows, as a slice of a wider activation would be
     gate, up = gate_up.split(inter, dim=-1)
     want = F.silu(gate) * up
@@ -125,137 +142,147 @@ def test_silu_mul_matches_pytorch(rows):
     assert got.data_ptr() == gate_up.data_ptr()  # written over the gate
     # Only float32 exp/division can round apart from PyTorch's, rarely: one bfloat16 step in
     # SiLU, which the product's own rounding can take to two.
-    assert (got != want).float().mean() < 0.01
-    torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -6, atol=1e-30)
+    if dtype == BF16:
+        assert (got != want).float().mean() < 0.01
+    torch.testing.assert_close(got.float(), want.float(),
+                               **close(dtype, dict(rtol=2 ** -6, atol=1e-30),
+                                       dict(rtol=1e-5, atol=1e-30)))
 
 
-def test_kernel_only_where_it_applies(monkeypatch):
-    cpu = torch.device("cpu")
-    assert cpu_kernels(cpu, torch.float32, 64) is None
-    assert cpu_kernels(cpu, torch.bfloat16, 96) is None
+def test_kernels_only_where_they_apply(monkeypatch):
+    cpu, tier = torch.device("cpu"), isa.current().tier
+    assert cpu_kernels(torch.device("meta"), F32, 64) is None
+    assert cpu_kernels(cpu, F32, 96) is not None  # float32 takes any head_dim
+    assert cpu_kernels(cpu, torch.float16, 64) is None
+    assert (cpu_kernels(cpu, BF16, 64) is not None) == (tier in isa.BF16_TIERS)
+    assert cpu_kernels(cpu, BF16, 96) is None
     monkeypatch.setenv("CONVEYOR_CPU_KERNELS", "off")
-    assert cpu_kernels(cpu, torch.bfloat16, 64) is None
+    assert cpu_kernels(cpu, F32, 64) is None and cpu_kernels(cpu, BF16, 64) is None
 
 
+@pytest.mark.parametrize("tier,dtype", CASES)
 @pytest.mark.parametrize("heads,kv_heads,dim,tokens", [(9, 3, 64, 1), (9, 3, 64, 37),
                                                       (32, 8, 128, 5)])
-def test_rope_kv_write_matches_apply_rope_and_write_kv(heads, kv_heads, dim, tokens):
-    kernels = built_kernels(dim)
+def test_rope_kv_write_matches_apply_rope_and_write_kv(tier, dtype, heads, kv_heads, dim, tokens):
+    kernels = built(tier, dtype, dim)
     config = ModelConfig(architecture="llama", vocab_size=8, hidden_size=heads * dim,
                          intermediate_size=8, num_layers=1, num_heads=heads,
                          num_kv_heads=kv_heads, head_dim=dim, rms_norm_eps=1e-5,
                          rope_theta=10000.0, rope_scaling=None, max_position_embeddings=512,
                          tie_word_embeddings=True, attention_bias=False, qk_norm=False,
                          torch_dtype=None)
-    cos, sin = rope_tables(config, 512, torch.bfloat16, torch.device("cpu"))
+    cos, sin = rope_tables(config, 512, dtype, torch.device("cpu"))
     gen = torch.Generator().manual_seed(tokens)
     positions = torch.randint(0, 512, (tokens,), generator=gen)
     cos, sin = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
     # q, k, v as the model has them: views of one fused projection's output
-    qkv = (torch.randn(tokens, heads + 2 * kv_heads, dim, generator=gen) * 4).bfloat16()
+    qkv = (torch.randn(tokens, heads + 2 * kv_heads, dim, generator=gen) * 4).to(dtype)
     slots = torch.randperm(8 * 16, generator=gen)[:tokens]
-    caches = [torch.zeros(8, 16, kv_heads, dim, dtype=torch.bfloat16) for _ in range(4)]
+    caches = [torch.zeros(8, 16, kv_heads, dim, dtype=dtype) for _ in range(4)]
 
     qk_ref = apply_rope(qkv[:, :heads + kv_heads], cos, sin)
     write_kv(qk_ref[:, heads:], qkv[:, heads + kv_heads:], caches[0], caches[1], slots)
     qk = qkv[:, :heads + kv_heads]
     kernels.rope_kv_write(qk, qkv[:, heads + kv_heads:], cos, sin, slots, caches[2], caches[3])
 
+    # Bit for bit, in both dtypes: the same two roundings of the products, then the sum's.
     assert torch.equal(qk, qk_ref)
     assert torch.equal(caches[2], caches[0]) and torch.equal(caches[3], caches[1])
 
 
-def quant_kernel():
-    kernels = built_kernels(64)
-    if kernels.quant_linear is None:
-        pytest.skip("this CPU lacks AVX-512 BF16: the model keeps its bfloat16 linears")
-    return kernels.quant_linear
-
-
-@pytest.fixture(params=["AMX", "FMA"])
-def block_kernel(request):
-    """The block linear with AMX (where the machine has it) and with AVX-512 FMAs. The switch is
-    the process's: the decode attention's scores follow it too."""
-    kernel = quant_kernel()
-    if request.param == "AMX":
-        kernel.set_amx(True)
-        if not kernel.amx:
-            pytest.skip("no AMX here (CPU, compiler or kernel)")
-    else:
-        kernel.set_amx(False)
-    yield kernel
-    kernel.set_amx(True)
-
-
-@pytest.mark.parametrize("qtype", [gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q4_1,
-                                   gguf.GGMLQuantizationType.Q8_0])
-@pytest.mark.parametrize("n, k", [(96, 160), (40, 64)])  # AMX: strips of 32 rows, the last partial
-def test_quant_linear_reads_the_loaders_bf16_weights(block_kernel, qtype, n, k):
-    kernel = block_kernel
-    gen = np.random.default_rng(int(qtype))
+def random_blocks(qtype, n: int, k: int):
+    """Weights quantized to ``qtype``, as a QuantizedWeight, and what the loader makes of them
+    (numpy dequantization, float32)."""
+    gen = np.random.default_rng(int(qtype) + n)
     # Scales spanning several binades, so the float32 d * q + m often needs rounding.
     w = (gen.standard_normal((n, k)) * np.exp(gen.uniform(-4, 2, (n, 1)))).astype(np.float32)
     blocks = gguf.quants.quantize(w, qtype)
-    weight = QuantizedWeight.from_gguf(int(qtype), blocks)
-    # What the loader makes of these blocks (numpy dequantization, then bfloat16).
-    expected = torch.from_numpy(gguf.quants.dequantize(blocks, qtype).reshape(n, k)).bfloat16()
+    dense = torch.from_numpy(gguf.quants.dequantize(blocks, qtype).reshape(n, k))
+    return QuantizedWeight.from_gguf(int(qtype), blocks), dense
 
-    # One-hot rows read single weights out: equal bit for bit (the FMA kernel takes 8 rows a
-    # call; AMX takes up to 32 a column of blocks at a time, and more a strip at a time).
-    for chunk in (32, k) if kernel.amx else (8,):
+
+QTYPES = [gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q4_1,
+          gguf.GGMLQuantizationType.Q8_0]
+
+
+@pytest.mark.parametrize("tier,dtype", CASES)
+@pytest.mark.parametrize("qtype", QTYPES)
+@pytest.mark.parametrize("n, k", [(96, 160), (40, 64), (7, 1536)])  # strips of 32, the last
+def test_quant_linear_reads_the_loaders_weights(tier, dtype, qtype, n, k):  # partial
+    kernel = built(tier, dtype).quant_linear
+    weight, dense = random_blocks(qtype, n, k)
+    expected = dense.to(dtype)
+
+    # One-hot rows read single weights out: equal bit for bit, through every path the kernel
+    # takes by row count (bfloat16 FMAs take 8 rows a call; AMX up to 32 a column of blocks at
+    # a time, more a strip at a time; float32 any number, in register tiles and their edges).
+    chunks = (8,) if dtype == BF16 and not kernel.amx else (1, 5, 32, k)
+    for chunk in chunks:
         for start in range(0, k, chunk):
             rows = min(chunk, k - start)
-            x = torch.zeros(rows, k, dtype=torch.bfloat16)
+            x = torch.zeros(rows, k, dtype=dtype)
             x[torch.arange(rows), start + torch.arange(rows)] = 1
             assert torch.equal(kernel(x, weight), expected[:, start:start + rows].T)
 
     # Random rows (strided, as a slice of a wider activation) and a bias: F.linear's result up
-    # to the order of the float32 sum. With AMX: partial tiles of 16 rows and pairs of them.
-    row_counts = (1, 2, 5, 16, 17, 33, 70) if kernel.amx else (1, 2, 5)
-    wide = torch.randn(max(row_counts), k + 32, dtype=torch.bfloat16)
+    # to the order of the float32 sum, at row counts on and off every tile's edge.
+    row_counts = (1, 2, 5) if dtype == BF16 and not kernel.amx else (1, 2, 5, 16, 17, 33, 70)
+    gen = torch.Generator().manual_seed(n + k)
+    wide = torch.randn(max(row_counts), k + 32, generator=gen).to(dtype)
     x = wide[:, 16:16 + k]
-    bias = torch.randn(n, dtype=torch.bfloat16)
+    bias = torch.randn(n, generator=gen).to(dtype)
     for rows in row_counts:
         got = kernel(x[:rows], weight, bias).float()
         want = F.linear(x[:rows].float(), expected.float(), bias.float())
-        torch.testing.assert_close(got, want, rtol=2 ** -7, atol=1e-2)
-    if not kernel.amx:
+        if dtype == BF16:
+            torch.testing.assert_close(got, want, rtol=2 ** -7, atol=1e-2)
+        else:  # float32 sums in another order: within a few steps of the sum of |terms|
+            bound = F.linear(x[:rows].abs().float(), expected.abs().float(), bias.abs().float())
+            assert ((got - want).abs() <= 1e-6 * bound + 1e-30).all()
+    if dtype == BF16 and not kernel.amx:
         with pytest.raises(ValueError):
-            kernel(torch.randn(9, k, dtype=torch.bfloat16), weight)
+            kernel(torch.randn(9, k, dtype=dtype), weight)
 
 
-def test_linear_reads_blocks_only_up_to_max_rows(block_kernel):
-    kernel = block_kernel
-    qtype = gguf.GGMLQuantizationType.Q4_1
-    w = np.random.default_rng(0).standard_normal((64, 128)).astype(np.float32)
-    blocks = gguf.quants.quantize(w, qtype)
-    linear = Linear(128, 64, bias=False).bfloat16()
+@pytest.mark.parametrize("tier,dtype", CASES)
+def test_linear_reads_blocks_only_up_to_max_rows(tier, dtype):
+    kernel = built(tier, dtype).quant_linear
+    weight, dense = random_blocks(gguf.GGMLQuantizationType.Q4_1, 64, 128)
+    linear = Linear(128, 64, bias=False).to(dtype)
     with torch.no_grad():
-        linear.weight.copy_(torch.from_numpy(gguf.quants.dequantize(blocks, qtype)))
-    linear.prepack()
-    linear.quantized = QuantizedWeight.from_gguf(int(qtype), blocks)
+        linear.weight.copy_(dense)
+    linear.quantized = weight
     spy = mock.Mock(wraps=kernel)
-    spy.max_rows = kernel.max_rows
+    spy.max_rows = min(kernel.max_rows, 16)
     linear.quant_linear = spy
-    x = torch.randn(kernel.max_rows + 1, 128, dtype=torch.bfloat16)
+    x = torch.randn(spy.max_rows + 1, 128, dtype=dtype)
     with torch.no_grad():
-        for rows in (1, kernel.max_rows, kernel.max_rows + 1):
+        for rows in (1, spy.max_rows, spy.max_rows + 1):
             torch.testing.assert_close(linear(x[:rows]).float(),
                                        F.linear(x[:rows], linear.weight).float(),
-                                       rtol=2 ** -7, atol=1e-2)
-    assert spy.call_count == 2  # 1 and max_rows rows; one more goes to the prepacked matmul
+                                       **close(dtype, dict(rtol=2 ** -7, atol=1e-2),
+                                               dict(rtol=1e-4, atol=1e-4)))
+    assert spy.call_count == 2  # 1 and max_rows rows; one more goes to the dense matmul
 
 
-def test_decode_stack_matches_the_layers(monkeypatch, default_gguf_path):
+@pytest.fixture(params=[pytest.param(d, id=str(d).removeprefix("torch.")) for d in (F32, BF16)])
+def native_dtype(request):
+    """The dtypes this process's tier runs its kernels in (the engine reads the tier itself)."""
+    if request.param == BF16 and not isa.current().native_bf16:
+        pytest.skip("this CPU has no bfloat16 arithmetic")
+    return request.param
+
+
+def test_decode_stack_matches_the_layers(monkeypatch, default_gguf_path, native_dtype):
     """Each step, the prompts' (their tokens as queries of their own, causal by context length)
     and then a few decodes', runs through both the one-call stack and the layers one by one, on
     the same inputs: the same hidden states up to rare one-step bfloat16 differences (SiLU's
-    float32 exp and division, as C and PyTorch compute them, can round apart)."""
-    quant_kernel()
+    float32 exp and division, as C and PyTorch compute them, can round apart), or float32's."""
     from conveyor import LLM, SamplingParams
     from conveyor.model.model import Transformer
 
-    llm = LLM(model=default_gguf_path, dtype="bfloat16", max_num_seqs=8)
+    llm = LLM(model=default_gguf_path, dtype=str(native_dtype).removeprefix("torch."),
+              max_num_seqs=8)
     assert llm.engine.runner.model.decode_stack is not None
     forward, compared = Transformer.forward, []
 
@@ -270,8 +297,8 @@ def test_decode_stack_matches_the_layers(monkeypatch, default_gguf_path):
         return layers
 
     monkeypatch.setattr(Transformer, "forward", both)
-    # Six decodes a step: past the FMA kernel's first rows, so AMX runs the stack's linears
-    # where the machine has it.
+    # Six decodes a step: past the bfloat16 FMA kernel's first rows, so AMX runs the stack's
+    # linears where the machine has it.
     llm.generate(["The capital of France is", "Once upon a time", "def f(x):", "1, 2, 3,",
                   "Water boils at", "import numpy as"],
                  SamplingParams(temperature=0, max_tokens=10, ignore_eos=True), use_tqdm=False)
@@ -279,22 +306,24 @@ def test_decode_stack_matches_the_layers(monkeypatch, default_gguf_path):
     differing = []
     for ours, layers in compared:
         diff = (ours - layers).abs()
-        assert diff.max() <= layers.abs().max() * 2 ** -6
+        scale = layers.abs().max()
+        assert diff.max() <= scale * (2 ** -6 if native_dtype == BF16 else 1e-5)
         differing.append((diff > 0).float().mean().item())
-    assert sum(differing) / len(differing) < 0.2
-    assert differing.count(0.0) >= len(differing) // 2
+    if native_dtype == BF16:
+        assert sum(differing) / len(differing) < 0.2
+        assert differing.count(0.0) >= len(differing) // 2
 
 
-def test_prompt_tokens_as_queries_match_sdpa(monkeypatch, default_gguf_path):
+def test_prompt_tokens_as_queries_match_sdpa(monkeypatch, default_gguf_path, native_dtype):
     """Short prompts' tokens through the decode kernel, each a query of its own (one call of
     the decode stack), and through SDPA (the layers one by one): the same next tokens, and
-    log-probabilities within bfloat16's reach."""
-    quant_kernel()
+    log-probabilities within the dtype's reach."""
     from conveyor import LLM, SamplingParams
     from conveyor.model import runner
     from conveyor.model.model import Transformer
 
-    llm = LLM(model=default_gguf_path, dtype="bfloat16", enable_prefix_caching=False)
+    llm = LLM(model=default_gguf_path, dtype=str(native_dtype).removeprefix("torch."),
+              enable_prefix_caching=False)
     forward, with_prefills = Transformer.forward, []
 
     def spy(self, input_ids, cos, sin, kv_caches, meta):
@@ -316,11 +345,13 @@ def test_prompt_tokens_as_queries_match_sdpa(monkeypatch, default_gguf_path):
         assert a.token_ids == b.token_ids
         for tid, lp in a.logprobs[0].items():
             if tid in b.logprobs[0]:
-                assert abs(lp.logprob - b.logprobs[0][tid].logprob) < 0.1
+                assert abs(lp.logprob - b.logprobs[0][tid].logprob) < (
+                    0.1 if native_dtype == BF16 else 1e-3)
 
 
-def test_argmax_rows_finds_the_first_maximum():
-    argmax = built_kernels(64).argmax_rows
+@pytest.mark.parametrize("tier", RUNNABLE)
+def test_argmax_rows_finds_the_first_maximum(tier):
+    argmax = built(tier, F32).argmax_rows
     gen = torch.Generator().manual_seed(0)
     for cols in (1, 15, 16, 17, 49152 + 5):
         # Few distinct values, so most rows have their maximum more than once.
@@ -330,21 +361,26 @@ def test_argmax_rows_finds_the_first_maximum():
         assert torch.equal(argmax(x), x.argmax(dim=-1))
 
 
-def test_head_reads_its_blocks_up_to_a_few_rows(block_kernel, default_gguf_path):
-    """The tied head (SmolLM2's Q8_0 embedding) through the block kernel at a few rows and the
-    prepacked bfloat16 matmul past them: both the bfloat16 head's logits up to the order of the
-    float32 sums."""
+def test_head_reads_its_blocks_up_to_a_few_rows(default_gguf_path, native_dtype):
+    """The tied head (SmolLM2's Q8_0 embedding) through the block kernel at a few rows (in
+    float32, at any number) and the dense matmul past them: both the head's logits up to the
+    order of the float32 sums."""
     from conveyor import LLM
+    from conveyor.kernels.bindings import QuantLinear
 
-    model = LLM(model=default_gguf_path, dtype="bfloat16", max_num_seqs=4).engine.runner.model
+    model = LLM(model=default_gguf_path, dtype=str(native_dtype).removeprefix("torch."),
+                max_num_seqs=4).engine.runner.model
     assert model.output is None and model.head_blocks is not None
-    kernel = model.head_kernel = mock.Mock(wraps=block_kernel)
-    kernel.max_rows = block_kernel.max_rows
-    few = min(model.HEAD_BLOCK_ROWS, block_kernel.max_rows)
-    hidden = torch.randn(few + 1, model.config.hidden_size, dtype=torch.bfloat16)
+    kernel = model.head_kernel = mock.Mock(wraps=model.head_kernel)
+    few = model.head_block_rows
+    unbounded = few >= QuantLinear.F32_ROWS
+    assert unbounded == (native_dtype == F32)
+    counts = (1, 32, 300) if unbounded else (1, few, few + 1)
+    hidden = torch.randn(max(counts), model.config.hidden_size, dtype=native_dtype)
     with torch.no_grad():
-        for rows in (1, few, few + 1):
+        for rows in counts:
             want = F.linear(hidden[:rows].float(), model.tok_embeddings.weight.float())
             torch.testing.assert_close(model.compute_logits(hidden[:rows]), want,
-                                       rtol=2 ** -7, atol=2e-2)
-    assert kernel.call_count == 2  # 1 and `few` rows; one more goes to the prepacked head
+                                       **close(native_dtype, dict(rtol=2 ** -7, atol=2e-2),
+                                               dict(rtol=1e-4, atol=1e-4)))
+    assert kernel.call_count == sum(rows <= few for rows in counts)

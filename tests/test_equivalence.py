@@ -5,7 +5,9 @@ step are within 1e-4; the rest of that sequence is then not compared (it follows
 In bfloat16 (the serving dtype, where the CPU decode kernel runs) the first tokens must agree with
 transformers in bfloat16, with a tie allowance of bfloat16's resolution at the logits' scale.
 Both policies run with a KV pool small enough that preemption happens, and a token budget small
-enough that the longest prompts are prefilled in chunks.
+enough that the longest prompts are prefilled in chunks. The continuous policy runs at every CPU
+kernel tier this machine can execute and on the plain PyTorch path (``CONVEYOR_CPU_KERNELS=off``);
+the static policy at the machine's own tier.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import torch
 import transformers
 
 from conveyor import LLM, SamplingParams
+from conveyor.kernels import isa
 
 TIE = 1e-4
 BF16_TIE = 0.25    # two bfloat16 steps at |logit| ~16, the top logits' scale for this model
@@ -109,13 +112,38 @@ def check_model(kind: str, path: str, policy: str) -> None:
     print(f"{kind} {policy}: {sum(identical)}/{len(identical)} identical, rest parted at ties")
 
 
+NATIVE = isa.current().detected
+RUNNABLE = isa.TIERS[:isa.TIERS.index(NATIVE) + 1]
+# (path, policy): the continuous policy on every path, the static one on the machine's own.
+PATHS = [pytest.param(p, "continuous", id=f"{p}-continuous") for p in (*RUNNABLE, "pytorch")] + [
+    pytest.param(NATIVE, "static", id=f"{NATIVE}-static")]
+
+
+@pytest.fixture
+def on_path(monkeypatch):
+    """Run the engine as on a CPU of the given tier, or on the plain PyTorch path."""
+
+    def use(path: str) -> None:
+        if path == "pytorch":
+            monkeypatch.setenv("CONVEYOR_CPU_KERNELS", "off")
+        else:
+            monkeypatch.setenv(isa.ENV, path)
+        isa.current.cache_clear()
+
+    yield use
+    monkeypatch.undo()
+    isa.current.cache_clear()
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("policy", ["continuous", "static"])
-def test_default_gguf_matches_transformers(default_gguf_path, policy):
+@pytest.mark.parametrize("path,policy", PATHS)
+def test_default_gguf_matches_transformers(default_gguf_path, on_path, path, policy):
+    on_path(path)
     check_model("gguf", default_gguf_path, policy)
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(not isa.current().native_bf16, reason="this CPU has no bfloat16 arithmetic")
 @pytest.mark.parametrize("max_num_seqs", [12, 1], ids=["batched", "alone"])
 def test_default_gguf_bf16_first_tokens_match_transformers(default_gguf_path, max_num_seqs):
     """Alone, the CPU path reads the layers' linears from the GGUF's blocks (QuantLinear)."""
@@ -147,7 +175,8 @@ def tiny_paths(tmp_path_factory):
     return paths
 
 
-@pytest.mark.parametrize("policy", ["continuous", "static"])
+@pytest.mark.parametrize("path,policy", PATHS)
 @pytest.mark.parametrize("name", list(TINY))
-def test_tiny_checkpoints_match_transformers(tiny_paths, name, policy):
+def test_tiny_checkpoints_match_transformers(tiny_paths, on_path, name, path, policy):
+    on_path(path)
     check_model("hf", tiny_paths[name], policy)

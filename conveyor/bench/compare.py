@@ -20,7 +20,7 @@ from conveyor.bench.serve import add_workload_args, benchmark, build_workload, s
 def add_server_args(p: argparse.ArgumentParser) -> None:
     """What every started server shares."""
     p.add_argument("--model", default=None, help="model path for the servers (default model)")
-    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--dtype", default="auto")
     p.add_argument("--kv-cache-memory", default="1GiB", help="the same KV memory for every run")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--max-model-len", type=int, default=None)

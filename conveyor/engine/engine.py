@@ -84,6 +84,7 @@ class LLMEngine:
         self.eos_token_ids = frozenset(loaded.eos_token_ids)
         self.device = config.torch_device()
         self.dtype = config.torch_dtype(loaded.config.torch_dtype, self.device)
+        self.dtype_reason = config.dtype_reason(loaded.config.torch_dtype, self.device)
 
         per_block = kv_bytes_per_block(loaded.config, config.block_size, self.dtype)
         num_blocks = config.num_kv_blocks or config.kv_cache_bytes(self.device) // per_block
@@ -101,6 +102,8 @@ class LLMEngine:
                                   block_size=config.block_size, max_model_len=model_len,
                                   seed=config.seed, quantized=loaded.quantized)
         self.kv_cache_bytes = num_blocks * per_block
+        logger.info("dtype %s (%s); %s", str(self.dtype).removeprefix("torch."),
+                    self.dtype_reason, self.runner.kernel_path)
         self._states: dict[str, _RequestState] = {}
         self._live_samples: dict[str, tuple[_RequestState, _Sample]] = {}  # by sample id
         self.steps: deque[StepRecord] = deque(maxlen=STEP_HISTORY)

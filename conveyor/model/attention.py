@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from conveyor.model.cpu_kernels import DecodeKernel, RopeKVWrite
+from conveyor.kernels.bindings import DecodeKernel, RopeKVWrite
 
 
 @dataclass

@@ -12,11 +12,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from conveyor.kernels import isa
+from conveyor.kernels.bindings import AddRMSNorm, DecodeStack, QuantLinear, SiluMul, StackLayer
+from conveyor.kernels.library import CPUKernels
 from conveyor.model import huge_pages
 from conveyor.model.attention import AttentionMetadata, paged_attention, write_kv
 from conveyor.model.config import ModelConfig
-from conveyor.model.cpu_kernels import (AddRMSNorm, CPUKernels, DecodeStack, QuantLinear, SiluMul,
-                                        StackLayer)
 from conveyor.model.gguf_file import QuantizedWeight
 
 # The matmuls run fused, one per group: the fused name and its parts, in order.
@@ -47,8 +48,11 @@ class Linear(nn.Linear):
 
 
 def can_prepack(device: torch.device, dtype: torch.dtype) -> bool:
-    return (device.type == "cpu" and dtype == torch.bfloat16
-            and torch.backends.mkldnn.is_available())
+    """oneDNN's bfloat16 prepacking needs a CPU tier with bfloat16 arithmetic (it refuses
+    others, and a forced lower tier must behave as such a CPU) and oneDNN's own say-so."""
+    return (device.type == "cpu" and dtype == torch.bfloat16 and isa.current().native_bf16
+            and torch.backends.mkldnn.is_available()
+            and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 class RMSNorm(nn.Module):
@@ -187,9 +191,10 @@ class TransformerBlock(nn.Module):
 
 
 class Transformer(nn.Module):
-    # SmolLM2's head (49152 x 576, Q8_0) read from its blocks, against the prepacked bfloat16
-    # matmul (alternated): 0.85x the time at 1 row, 0.7-0.76x at 2-8 and 0.58x at 32 rows, but
-    # 1.15-1.3x from 48 to 256, where the block kernel goes a strip at a time.
+    # bfloat16: SmolLM2's head (49152 x 576, Q8_0) read from its blocks, against the prepacked
+    # bfloat16 matmul (alternated): 0.85x the time at 1 row, 0.7-0.76x at 2-8 and 0.58x at 32
+    # rows, but 1.15-1.3x from 48 to 256, where the block kernel goes a strip at a time. In
+    # float32 the blocks take every row count (0.23x F.linear's time at 1 row, 0.9x at 1024).
     HEAD_BLOCK_ROWS = 32
 
     def __init__(self, config: ModelConfig) -> None:
@@ -204,6 +209,7 @@ class Transformer(nn.Module):
         # The head in GGUF blocks, read by the CPU kernel at a few rows (see HEAD_BLOCK_ROWS).
         self.head_blocks: QuantizedWeight | None = None
         self.head_kernel: QuantLinear | None = None
+        self.head_block_rows = 0
         self.decode_stack: DecodeStack | None = None  # all layers in one call, at a few decodes
 
     def forward(self, input_ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -223,8 +229,7 @@ class Transformer(nn.Module):
         return self.norm(h, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        if (self.head_kernel is not None
-                and hidden.shape[0] <= min(self.HEAD_BLOCK_ROWS, self.head_kernel.max_rows)):
+        if self.head_kernel is not None and hidden.shape[0] <= self.head_block_rows:
             return self.head_kernel(hidden, self.head_blocks).float()
         if self.output is not None:
             return self.output(hidden).float()
@@ -273,7 +278,12 @@ class Transformer(nn.Module):
                 self.head_blocks, self.head_kernel = placed, kernel
             else:
                 module.quantized, module.quant_linear = placed, kernel
+                if kernel.max_rows >= QuantLinear.F32_ROWS:  # every row reads the blocks:
+                    module.weight = nn.Parameter(module.weight.new_empty(0),  # no dense copy
+                                                 requires_grad=False)
             offset += size
+        self.head_block_rows = (kernel.max_rows if kernel.max_rows >= QuantLinear.F32_ROWS
+                                else min(self.HEAD_BLOCK_ROWS, kernel.max_rows))
 
     def use_decode_stack(self, kernels: CPUKernels,
                          kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:

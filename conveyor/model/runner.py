@@ -7,10 +7,10 @@ import torch
 
 from conveyor.engine.request import Request
 from conveyor.engine.scheduler import SchedulerOutput
+from conveyor.kernels.library import cpu_kernels, describe
 from conveyor.model import huge_pages
 from conveyor.model.attention import AttentionMetadata, DecodeGroup, PrefillChunk
 from conveyor.model.config import ModelConfig
-from conveyor.model.cpu_kernels import cpu_kernels
 from conveyor.model.gguf_file import QuantizedWeight
 from conveyor.model.model import Transformer, can_prepack, rope_tables
 from conveyor.model.sampler import SampleResult, Sampler, first_max
@@ -70,6 +70,7 @@ class ModelRunner:
                           for _ in range(config.num_layers)]
         self.cos, self.sin = rope_tables(config, max_model_len, dtype, device)
         kernels = cpu_kernels(device, dtype, config.head_dim)
+        self.kernel_path = describe(device, dtype, config.head_dim, kernels)
         self.sampler = Sampler(config.vocab_size, device, seed,
                                first_max if kernels is None else kernels.argmax_rows)
         self.decode_kernel = kernels.decode_attention if kernels is not None else None

@@ -11,6 +11,7 @@ from fastapi.openapi.utils import get_openapi
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from conveyor import __version__
+from conveyor.kernels import isa
 from conveyor.server.chat import create_chat_completion
 from conveyor.server.completions import create_completion
 from conveyor.server.dashboard import dashboard_router, mount_static
@@ -52,7 +53,12 @@ def build_app(state: ServerState, ready_message: str = "") -> FastAPI:
 
     @app.get("/version")
     async def version() -> VersionInfo:
-        return VersionInfo(version=__version__)
+        """The version, and what the engine chose for this machine (tier, dtype, kernels)."""
+        engine, cpu = state.engine, isa.current()
+        return VersionInfo(version=__version__, device=engine.device.type,
+                           dtype=str(engine.dtype).removeprefix("torch."),
+                           dtype_reason=engine.dtype_reason, cpu_isa=cpu.tier,
+                           cpu_isa_reason=cpu.describe(), kernels=engine.runner.kernel_path)
 
     @app.get("/v1/models")
     async def models() -> ModelList:

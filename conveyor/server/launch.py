@@ -27,7 +27,8 @@ def _ready_message(state: ServerState, args: argparse.Namespace) -> str:
     kv = engine.scheduler.kv
     cfg = engine.config
     return (f"ready on http://{args.host}:{args.port}: model {state.model_name} "
-            f"({engine.model_path}), dtype {str(engine.dtype).removeprefix('torch.')}, "
+            f"({engine.model_path}), dtype {str(engine.dtype).removeprefix('torch.')} "
+            f"({engine.dtype_reason}), {engine.runner.kernel_path}, "
             f"{kv.pool.num_blocks} KV pages x {kv.block_size} tokens = "
             f"{kv.num_tokens_capacity} tokens ({engine.kv_cache_bytes / 2**20:.0f} MiB), "
             f"KV layout {cfg.kv_layout}, policy {cfg.policy}, scheduling "

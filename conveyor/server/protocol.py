@@ -214,6 +214,12 @@ class EngineSteps(BaseModel):
 
 class VersionInfo(BaseModel):
     version: str
+    device: str          # where the model runs: cpu or cuda
+    dtype: str
+    dtype_reason: str    # why that dtype ("auto: the CPU has no bfloat16 arithmetic", ...)
+    cpu_isa: str         # the CPU kernel tier: generic, avx2, avx512 or amx
+    cpu_isa_reason: str  # the CPU flags that decided it (or CONVEYOR_CPU_ISA)
+    kernels: str         # which path the model runs, and why
 
 
 class ErrorInfo(BaseModel):

@@ -14,8 +14,7 @@
  * for every query head of the group. The rows still to come are prefetched a few lines at a time
  * between the products, since at large batches reading the cache is what bounds the kernel.
  *
- * Needs AVX-512 (F, BF16), as quant_linear.c: elsewhere has_avx512_bf16() says 0 and the model
- * gathers pages and runs SDPA. OpenMP shares the work out on the runtime PyTorch has already
+ * The avx512 and amx tiers only (AVX-512 F and BF16); float32 models use paged_decode_f32.c. OpenMP shares the work out on the runtime PyTorch has already
  * loaded into the process (libgomp.so.1), with PyTorch's thread count.
  */
 #include <stdint.h>
@@ -24,14 +23,17 @@
 #include <math.h>
 #include <float.h>
 
-#include "bf16.h"
+#include "common.h"
 
-#if CONVEYOR_AVX512_BF16
+#if !CONVEYOR_AVX512_BF16
+#error "built for the avx512 and amx tiers only (AVX-512 F and BF16)"
+#endif
+
 #define TILE 16
 
-int has_amx(void);  /* quant_linear.c: AMX built, allowed by the OS, and not switched off */
+int has_amx(void);  /* quant_linear_bf16.c: AMX built, allowed by the OS, and not switched off */
 
-/* With AMX (configure_tiles, bf16.h), the scores take tiles 0, a tile's scores (16 tokens x 16
+/* With AMX (configure_tiles, common.h), the scores take tiles 0, a tile's scores (16 tokens x 16
  * query heads, float32); 1, 32 dimensions of 16 cached K rows (bfloat16); 2, the same dimensions
  * of the queries, in pairs (16 pairs x 16 query heads). */
 #define AMX_SCORES CONVEYOR_AMX
@@ -258,22 +260,17 @@ static size_t attend_scratch(int nq, int dim, int span, int longest) {
            + span * TILE + TILE * TILE;
 }
 
-#endif
-
 /* q: row i, head j at q[i * q_stride + j * head_dim]; caches: [num_blocks, block_size,
  * num_kv_heads, head_dim]; block_tables: [n, table_stride] int32; context_lens: [n] int32
  * (tokens to attend to, the new one included, its K/V already written); out like q.
  * threads: PyTorch's intra-op thread count. Returns 0; -1 for a head_dim without a
  * specialisation; -2 if scratch memory could not be allocated. */
-int paged_decode_attention(const uint16_t *q, int64_t q_stride,
-                           const uint16_t *k_cache, const uint16_t *v_cache,
-                           const int32_t *block_tables, int64_t table_stride,
-                           const int32_t *context_lens, uint16_t *out, int64_t out_stride,
-                           int n, int num_heads, int num_kv_heads, int head_dim,
-                           int block_size, float scale, int threads) {
-#if !CONVEYOR_AVX512_BF16
-    return -1;  /* not built for this CPU */
-#else
+int paged_decode_attention_bf16(const uint16_t *q, int64_t q_stride,
+                                const uint16_t *k_cache, const uint16_t *v_cache,
+                                const int32_t *block_tables, int64_t table_stride,
+                                const int32_t *context_lens, uint16_t *out, int64_t out_stride,
+                                int n, int num_heads, int num_kv_heads, int head_dim,
+                                int block_size, float scale, int threads) {
     if (head_dim != 64 && head_dim != 128) return -1;
     const int group = num_heads / num_kv_heads;
     const int64_t row = (int64_t)num_kv_heads * head_dim;  /* one token of one page */
@@ -317,5 +314,4 @@ int paged_decode_attention(const uint16_t *q, int64_t q_stride,
         free(buf);
     }
     return failed ? -2 : 0;
-#endif
 }

@@ -11,23 +11,21 @@
  * Two ways to multiply: with AMX tiles (Sapphire Rapids on) past FMA_FIRST_ROWS rows, where the
  * dequantizing costs the same at 5 rows as at 64; otherwise with AVX-512 FMAs for up to 8 rows,
  * where each row costs two FMAs a block and, without AMX, past a few rows the prepacked bfloat16
- * matmul wins (the caller picks by row count: QuantLinear.max_rows). Needs AVX-512 (F, BF16);
- * elsewhere has_avx512_bf16() says 0 (for this kernel and the decode attention) and the model
- * keeps its bfloat16 linears.
+ * matmul wins (the caller picks by row count: QuantLinear.max_rows). The avx512 and amx
+ * tiers only: float32 models use quant_linear_f32.c.
  */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#ifdef _OPENMP
-#include <omp.h>
+
+#include "common.h"
+
+#if !CONVEYOR_AVX512_BF16
+#error "built for the avx512 and amx tiers only (AVX-512 F and BF16)"
 #endif
 
-#include "bf16.h"
-
-int has_avx512_bf16(void) { return CONVEYOR_AVX512_BF16; }
 int has_amx(void);
 
-#if CONVEYOR_AVX512_BF16
 enum { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8 };  /* ggml's type numbers */
 #define MAX_ROWS 8
 /* Up to this many rows the FMA kernel runs even where AMX is on: at 1 row the two tie (all of
@@ -97,19 +95,6 @@ static inline void dequant_block(const uint8_t *b, int type, __m512 *lo, __m512 
 
 static inline int block_bytes(int type) {
     return type == Q8_0 ? 36 : type == Q4_1 ? 24 : 20;
-}
-
-/* This OpenMP thread's share [*begin, *end) of `count` items (output rows or strips): one
- * contiguous run, empty for threads past the last item. */
-static inline void thread_share(int count, int *begin, int *end) {
-    int nt = 1, t = 0;
-#ifdef _OPENMP
-    nt = omp_get_num_threads();
-    t = omp_get_thread_num();
-#endif
-    const int per = (count + nt - 1) / nt;
-    *begin = t * per < count ? t * per : count;
-    *end = *begin + per < count ? *begin + per : count;
 }
 
 /* y[r, n] = sum_k x[r, k] w[n, k] for r < R, output rows [n0, n1); x here is float32, [R, k]. */
@@ -425,39 +410,26 @@ static int quant_matmul_amx(const uint16_t *x, int64_t x_stride, const uint8_t *
 #define AMX_BUILT 0
 #endif
 
-static int amx_wanted = 1;
-
-/* Whether quant_linear multiplies with AMX here (past FMA_FIRST_ROWS rows, any number of them)
- * rather than only with AVX-512 FMAs (up to MAX_ROWS rows). Like quant_linear, only in a build
- * for AVX-512 BF16. */
+/* Whether quant_linear_bf16 multiplies with AMX here (past FMA_FIRST_ROWS rows, any number of
+ * them) rather than only with AVX-512 FMAs (up to MAX_ROWS rows): built for the amx tier and
+ * allowed by the OS. */
 int has_amx(void) {
 #if AMX_BUILT
-    return amx_wanted && amx_usable();
+    return amx_usable();
 #else
     return 0;
 #endif
 }
 
-/* AMX off (0) or back on where it can be (1), for the whole process: lets tests and benchmarks
- * run the FMA kernel on a machine with AMX. Returns has_amx(). */
-int set_amx(int wanted) {
-    amx_wanted = wanted;
-    return has_amx();
-}
-
 #define CASE(R) case R: rows_times_blocks(R, xf, k, w, row_bytes, type, bias, y, y_stride, \
                                          n0, n1); break;
-#endif
 
 /* y = x w^T (+ bias). x: [rows, k] bfloat16, y: [rows, n] bfloat16 (row strides given), w: n
  * rows of k / 32 blocks of `type`, row_bytes apart; bias: [n] bfloat16 or NULL. Returns -1 for
  * a type or shape it does not handle, -2 without memory for its scratch. */
-int quant_linear(const uint16_t *x, int64_t x_stride, const uint8_t *w, int64_t row_bytes,
-                 int type, const uint16_t *bias, uint16_t *y, int64_t y_stride, int rows, int n,
-                 int k, int threads) {
-#if !CONVEYOR_AVX512_BF16
-    return -1;  /* not built for this CPU */
-#else
+int quant_linear_bf16(const uint16_t *x, int64_t x_stride, const uint8_t *w, int64_t row_bytes,
+                      int type, const uint16_t *bias, uint16_t *y, int64_t y_stride, int rows,
+                      int n, int k, int threads) {
     if ((type != Q4_0 && type != Q4_1 && type != Q8_0) || k % 32 != 0 || rows < 1)
         return -1;
 #if AMX_BUILT
@@ -481,5 +453,4 @@ int quant_linear(const uint16_t *x, int64_t x_stride, const uint8_t *w, int64_t 
     }
     free(xf);
     return 0;
-#endif
 }

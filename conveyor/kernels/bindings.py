@@ -1,0 +1,272 @@
+"""The kernels of one tier's library, bound through ctypes for one dtype.
+
+Each kernel has a float32 entry point (``<name>_f32``, in every tier) and a bfloat16 one
+(``<name>_bf16``, in the tiers with bfloat16 arithmetic); a binding takes the one for its
+dtype and checks what the C code assumes before calling it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+
+import torch
+
+from conveyor.model.gguf_file import QUANT_BLOCK_BYTES, QuantizedWeight
+
+SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
+p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+
+
+def entry(lib: ctypes.CDLL, name: str, dtype: torch.dtype, argtypes: list, restype=None):
+    fn = getattr(lib, f"{name}_{SUFFIX[dtype]}")
+    fn.argtypes, fn.restype = argtypes, restype
+    return fn
+
+
+def has_entry(lib: ctypes.CDLL, name: str, dtype: torch.dtype) -> bool:
+    return hasattr(lib, f"{name}_{SUFFIX[dtype]}")
+
+
+class DecodeKernel:
+    """Attention of single-token queries straight from the paged cache."""
+
+    def __init__(self, lib: ctypes.CDLL, dtype: torch.dtype) -> None:
+        self.dtype = dtype
+        self._fn = entry(lib, "paged_decode_attention", dtype,
+                         [p, i64, p, p, p, i64, p, p, i64, i32, i32, i32, i32, i32, f32, i32], i32)
+
+    def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 block_tables: torch.Tensor, context_lens: torch.Tensor,
+                 out: torch.Tensor) -> None:
+        """q, out: [n, H, D] (rows may be strided, heads packed); caches: [blocks, block_size,
+        KVH, D], contiguous; block_tables: [n, W] int32; context_lens: [n] int32."""
+        n, num_heads, dim = q.shape
+        _, block_size, kv_heads, _ = k_cache.shape
+        assert q.dtype == out.dtype == k_cache.dtype == v_cache.dtype == self.dtype
+        assert block_tables.dtype == context_lens.dtype == torch.int32
+        assert k_cache.is_contiguous() and v_cache.is_contiguous()
+        assert block_tables.stride(1) == 1 and context_lens.is_contiguous()
+        for t in (q, out):
+            assert t.stride(2) == 1 and t.stride(1) == dim
+        rc = self._fn(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
+                      block_tables.data_ptr(), block_tables.stride(0), context_lens.data_ptr(),
+                      out.data_ptr(), out.stride(0), n, num_heads, kv_heads, dim, block_size,
+                      dim ** -0.5, torch.get_num_threads())
+        if rc == -1:
+            raise ValueError(f"paged_decode_attention: head_dim {dim} is not handled")
+        if rc != 0:
+            raise MemoryError("paged_decode_attention: no memory for its scratch buffers")
+
+
+class AddRMSNorm:
+    """``residual += x`` (if given), then RMSNorm, in one call."""
+
+    def __init__(self, lib: ctypes.CDLL, dtype: torch.dtype) -> None:
+        self.dtype = dtype
+        self._fn = entry(lib, "add_rms_norm", dtype, [p, i64, p, p, p, i64, i32, i32, f32, i32])
+
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                 eps: float) -> torch.Tensor:
+        """x: [rows, dim] (rows may be strided); residual: [rows, dim], contiguous, updated in
+        place; weight: [dim]. Returns the normalised rows, new and contiguous."""
+        rows, dim = x.shape
+        assert x.dtype == weight.dtype == self.dtype and x.stride(1) == 1
+        assert weight.is_contiguous() and weight.shape == (dim,)
+        if residual is not None:
+            assert residual.dtype == self.dtype and residual.is_contiguous()
+            assert residual.shape == x.shape
+        out = torch.empty(rows, dim, dtype=x.dtype)
+        self._fn(x.data_ptr(), x.stride(0), None if residual is None else residual.data_ptr(),
+                 weight.data_ptr(), out.data_ptr(), out.stride(0), rows, dim, eps,
+                 torch.get_num_threads())
+        return out
+
+
+class SiluMul:
+    """``F.silu(gate) * up`` from the fused gate/up output, written over the gate."""
+
+    def __init__(self, lib: ctypes.CDLL, dtype: torch.dtype) -> None:
+        self.dtype = dtype
+        self._fn = entry(lib, "silu_mul", dtype, [p, i64, i32, i32, i32])
+
+    def __call__(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """gate_up: [rows, 2 * inter], each row's gate then up; overwritten. Returns the
+        products: [rows, inter], a view of the gate's half."""
+        rows, width = gate_up.shape
+        assert gate_up.dtype == self.dtype and gate_up.stride(1) == 1 and width % 2 == 0
+        self._fn(gate_up.data_ptr(), gate_up.stride(0), rows, width // 2, torch.get_num_threads())
+        return gate_up[:, :width // 2]
+
+
+class ArgmaxRows:
+    """Each row's first maximum of float32 logits, as ``argmax(dim=-1)``."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        fn = lib.argmax_rows
+        fn.argtypes, fn.restype = [p, i64, i32, i64, p, i32], None
+        self._fn = fn
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [rows, cols] float32 (rows may be strided), on the CPU. Returns [rows] int64."""
+        rows, cols = x.shape
+        assert x.dtype == torch.float32 and x.device.type == "cpu" and x.stride(1) == 1
+        out = torch.empty(rows, dtype=torch.int64)
+        self._fn(x.data_ptr(), x.stride(0), rows, cols, out.data_ptr(), torch.get_num_threads())
+        return out
+
+
+class RopeKVWrite:
+    """Rotate q and k in place and write k and v to the cache, in one call a layer."""
+
+    def __init__(self, lib: ctypes.CDLL, dtype: torch.dtype) -> None:
+        self.dtype = dtype
+        self._fn = entry(lib, "rope_kv_write", dtype,
+                         [p, i64, p, i64, p, p, i64, p, p, p, i32, i32, i32, i32, i32])
+
+    def __call__(self, qk: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 slots: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+        """qk: [T, H + KVH, D], v: [T, KVH, D] (rows may be strided, heads packed); cos/sin:
+        [T, 1, D]; slots: [T] int64; caches: [blocks, block_size, KVH, D]."""
+        tokens, num_qk, dim = qk.shape
+        kv_heads = v.shape[1]
+        assert qk.dtype == v.dtype == cos.dtype == sin.dtype == k_cache.dtype == self.dtype
+        assert v_cache.dtype == self.dtype and slots.dtype == torch.int64
+        assert k_cache.is_contiguous() and v_cache.is_contiguous() and slots.is_contiguous()
+        for t in (qk, v):
+            assert t.stride(2) == 1 and t.stride(1) == dim
+        assert cos.stride() == sin.stride() and cos.stride(2) == 1
+        self._fn(qk.data_ptr(), qk.stride(0), v.data_ptr(), v.stride(0), cos.data_ptr(),
+                 sin.data_ptr(), cos.stride(0), slots.data_ptr(), k_cache.data_ptr(),
+                 v_cache.data_ptr(), tokens, num_qk - kv_heads, kv_heads, dim,
+                 torch.get_num_threads())
+
+
+class QuantLinear:
+    """``x @ w.T + bias`` with w in GGUF blocks, up to ``max_rows`` rows (the model's
+    ``Linear`` takes its dense weight past them)."""
+
+    # bfloat16, AVX-512 FMAs (no AMX): up to this many rows it beat the prepacked bfloat16
+    # linear by 1.3-1.4x on SmolLM2's layers (dequantizing is compute-bound); at 5-8 they tie.
+    FMA_ROWS = 4
+    # bfloat16, AMX: 0.8x the prepacked linear's time from 1 to 64 rows, ~0.95x up to 512,
+    # 1.35x at 2048 (SmolLM2's layers, alternated runs), where its activation tiles outgrow
+    # the L2.
+    AMX_ROWS = 512
+    # float32: any number of rows (its own register-blocked products; the dense float32
+    # weights are only the PyTorch path's).
+    F32_ROWS = 1 << 30
+
+    def __init__(self, lib: ctypes.CDLL, dtype: torch.dtype) -> None:
+        self.dtype = dtype
+        self._fn = entry(lib, "quant_linear", dtype,
+                         [p, i64, p, i64, i32, p, p, i64, i32, i32, i32, i32], i32)
+        self.amx = dtype == torch.bfloat16 and bool(lib.has_amx())
+        self.max_rows = (self.F32_ROWS if dtype == torch.float32
+                         else self.AMX_ROWS if self.amx else self.FMA_ROWS)
+
+    def __call__(self, x: torch.Tensor, weight: QuantizedWeight,
+                 bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x: [rows, in] (rows may be strided); bias: [out]. Returns [rows, out]."""
+        rows, k = x.shape
+        n = weight.blocks.shape[0]
+        assert x.dtype == self.dtype and x.stride(1) == 1
+        assert weight.blocks.shape[1] == k // 32 * QUANT_BLOCK_BYTES[weight.ggml_type]
+        assert bias is None or (bias.dtype == self.dtype and bias.is_contiguous())
+        y = torch.empty(rows, n, dtype=self.dtype)
+        rc = self._fn(x.data_ptr(), x.stride(0), weight.blocks.data_ptr(), weight.blocks.stride(0),
+                      weight.ggml_type, None if bias is None else bias.data_ptr(), y.data_ptr(),
+                      y.stride(0), rows, n, k, torch.get_num_threads())
+        if rc == -2:
+            raise MemoryError("quant_linear: no memory for its scratch buffer")
+        if rc != 0:
+            raise ValueError(f"quant_linear: {rows} rows of {k} with ggml type "
+                             f"{weight.ggml_type} is not handled")
+        return y
+
+
+class _Matrix(ctypes.Structure):
+    _fields_ = [("blocks", ctypes.c_void_p), ("row_bytes", ctypes.c_int64),
+                ("type", ctypes.c_int32)]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [("attention_norm", ctypes.c_void_p), ("ffn_norm", ctypes.c_void_p),
+                ("wqkv", _Matrix), ("wo", _Matrix), ("w13", _Matrix), ("w2", _Matrix),
+                ("qkv_bias", ctypes.c_void_p), ("k_cache", ctypes.c_void_p),
+                ("v_cache", ctypes.c_void_p)]
+
+
+class _Shape(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_int) for name in ("hidden", "heads", "kv_heads", "dim",
+                                                    "intermediate", "block_size")] + [
+        ("eps", ctypes.c_float), ("scale", ctypes.c_float)]
+
+
+@dataclass
+class StackLayer:
+    """One decoder layer's weights and KV cache, as ``decode_stack`` reads them."""
+
+    attention_norm: torch.Tensor  # [hidden], the model dtype
+    ffn_norm: torch.Tensor
+    wqkv: QuantizedWeight         # q, k and v rows, fused
+    wo: QuantizedWeight
+    w13: QuantizedWeight          # gate and up rows, fused
+    w2: QuantizedWeight
+    qkv_bias: torch.Tensor | None
+    k_cache: torch.Tensor         # [blocks, block_size, kv_heads, head_dim], contiguous
+    v_cache: torch.Tensor
+
+
+class DecodeStack:
+    """``decode_stack`` bound to one model's layers: call it with a step's embeddings."""
+
+    # bfloat16 without AMX, the FMA kernel's limit (MAX_ROWS in quant_linear_bf16.c): from 5
+    # to 8 rows its linears only tie the prepacked matmul, but a step without ~20 Python-side
+    # ops a layer still wins (29.9 vs 41.2 ms a step at 6 decodes, 35.5 vs 43.5 at 8,
+    # SmolLM2, alternated). With AMX, and in float32, as many rows as the linears take.
+    FMA_ROWS = 8
+
+    def __init__(self, lib: ctypes.CDLL, dtype: torch.dtype, layers: list[StackLayer], *,
+                 max_rows: int, heads: int, kv_heads: int, head_dim: int, intermediate: int,
+                 eps: float) -> None:
+        self.dtype = dtype
+        self.max_rows = max_rows
+        self._fn = entry(lib, "decode_stack", dtype,
+                         [p, i32, p, p, p, i32, p, p, p, p, i64, p, i32], i32)
+
+        def matrix(w: QuantizedWeight) -> _Matrix:
+            assert w.blocks.is_contiguous()
+            return _Matrix(w.blocks.data_ptr(), w.blocks.stride(0), w.ggml_type)
+
+        for layer in layers:
+            for t in (layer.attention_norm, layer.ffn_norm, layer.k_cache, layer.v_cache):
+                assert t.dtype == dtype and t.is_contiguous()
+        self._layers = (_Layer * len(layers))(*[_Layer(
+            l.attention_norm.data_ptr(), l.ffn_norm.data_ptr(), matrix(l.wqkv), matrix(l.wo),
+            matrix(l.w13), matrix(l.w2), None if l.qkv_bias is None else l.qkv_bias.data_ptr(),
+            l.k_cache.data_ptr(), l.v_cache.data_ptr()) for l in layers])
+        self._keep = layers  # the pointers above are into these tensors
+        self.hidden = layers[0].attention_norm.shape[0]
+        self._shape = _Shape(self.hidden, heads, kv_heads, head_dim, intermediate,
+                             layers[0].k_cache.shape[1], eps, head_dim ** -0.5)
+
+    def __call__(self, h: torch.Tensor, residual: torch.Tensor, cos: torch.Tensor,
+                 sin: torch.Tensor, slots: torch.Tensor, block_tables: torch.Tensor,
+                 context_lens: torch.Tensor) -> None:
+        """h: [rows, hidden] embeddings in, last layer's output out; residual: [rows, hidden]
+        set to the stream before it; cos/sin: [rows, 1, head_dim]; slots: [rows] int64;
+        block_tables: [rows, W], context_lens: [rows], int32."""
+        rows = h.shape[0]
+        assert 1 <= rows <= self.max_rows and h.shape == residual.shape == (rows, self.hidden)
+        assert h.dtype == residual.dtype == cos.dtype == sin.dtype == self.dtype
+        assert h.is_contiguous() and residual.is_contiguous() and cos.is_contiguous()
+        assert sin.is_contiguous() and slots.dtype == torch.int64 and slots.is_contiguous()
+        assert block_tables.dtype == context_lens.dtype == torch.int32
+        assert block_tables.stride(1) == 1 and context_lens.is_contiguous()
+        rc = self._fn(self._layers, len(self._keep), ctypes.byref(self._shape), h.data_ptr(),
+                      residual.data_ptr(), rows, cos.data_ptr(), sin.data_ptr(),
+                      slots.data_ptr(), block_tables.data_ptr(), block_tables.stride(0),
+                      context_lens.data_ptr(), torch.get_num_threads())
+        if rc != 0:
+            raise RuntimeError(f"decode_stack failed ({rc})")

@@ -1,0 +1,157 @@
+/* Decode attention straight from the paged KV cache, in float32, with AVX2 FMAs.
+ *
+ * One query token per row (a decode, or a short prompt's token with the context up to it). Each
+ * row's pages are read in place: no gather into a contiguous copy, no padding to the batch's
+ * longest context. Scores, softmax and the weighted sum of values are float32, as PyTorch's
+ * float32 SDPA; only the order of the sums (and exp's last bit) differs.
+ *
+ * A work item is one request's KV head with its group of query heads. Scores go 8 tokens at a
+ * time: for each query head, 8 chains of FMAs over the head dimension (one per token, so the
+ * FMA units' latency is covered), then summed across lanes together (one transpose-and-add for
+ * all 8). The weighted sum of values keeps a query head's output in registers, 8 dimensions a
+ * vector, while the tokens stream past. head_dim: any multiple of 8 up to 256.
+ */
+#include <float.h>
+#include <immintrin.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common.h"
+
+#define TILE 8
+#define MAXV 8  /* vectors of a query head held in registers at once (64 dimensions) */
+
+/* exp(x) for x <= 0 (softmax's x - max): exp2 of the integer part by exponent bits, a degree-5
+ * polynomial for the rest (Cephes' coefficients; within 2 float32 steps of expf). */
+static inline __m256 exp_neg(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));  /* beyond: ~0, and 2^n stays normal */
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n),
+                                                         _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+/* r[t] = the sum of a[t]'s 8 lanes, for 8 vectors at once. */
+static inline __m256 sum8(const __m256 *a) {
+    const __m256 t0 = _mm256_hadd_ps(a[0], a[1]), t1 = _mm256_hadd_ps(a[2], a[3]);
+    const __m256 t2 = _mm256_hadd_ps(a[4], a[5]), t3 = _mm256_hadd_ps(a[6], a[7]);
+    const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20),
+                         _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+static inline const float *token_row(const float *cache, const int32_t *table, int t,
+                                     int block_size, int64_t row) {
+    return cache + ((int64_t)table[t / block_size] * block_size + t % block_size) * row;
+}
+
+/* One request and one KV head (the caches offset to it), with its `group` query heads at q:
+ * scores against every cached token, softmax, weighted sum of values into out.
+ * scores: [group][len rounded up to TILE] of scratch. */
+static void attend(const float *q, const float *k_cache, const float *v_cache,
+                   const int32_t *table, int len, float *out, int group, int dim, int64_t row,
+                   int block_size, float scale, const float *zero, float *scores) {
+    const int nv = dim / 8, padded = (len + TILE - 1) / TILE * TILE;
+    const __m256 vscale = _mm256_set1_ps(scale);
+    for (int t0 = 0; t0 < len; t0 += TILE) {
+        const float *k[TILE];
+        for (int t = 0; t < TILE; t++)
+            k[t] = t0 + t < len ? token_row(k_cache, table, t0 + t, block_size, row) : zero;
+        for (int g = 0; g < group; g++) {
+            const float *qg = q + g * dim;
+            __m256 acc[TILE];
+            for (int t = 0; t < TILE; t++) acc[t] = _mm256_setzero_ps();
+            for (int v = 0; v < nv; v++) {
+                const __m256 qv = _mm256_loadu_ps(qg + 8 * v);
+                for (int t = 0; t < TILE; t++)
+                    acc[t] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[t] + 8 * v), acc[t]);
+            }
+            _mm256_storeu_ps(scores + g * padded + t0, _mm256_mul_ps(sum8(acc), vscale));
+        }
+    }
+    for (int g = 0; g < group; g++) {
+        float *s = scores + g * padded, top = -FLT_MAX;
+        for (int t = 0; t < len; t++) top = s[t] > top ? s[t] : top;
+        const __m256 vtop = _mm256_set1_ps(top);
+        __m256 total = _mm256_setzero_ps();
+        for (int t = 0; t < padded; t += 8) {
+            /* past len: weight 0 (those scores are the zero rows', and are not read) */
+            const __m256i live = _mm256_cmpgt_epi32(_mm256_set1_epi32(len - t),
+                                                    _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+            const __m256 p = _mm256_and_ps(exp_neg(_mm256_sub_ps(_mm256_loadu_ps(s + t), vtop)),
+                                           _mm256_castsi256_ps(live));
+            _mm256_storeu_ps(s + t, p);
+            total = _mm256_add_ps(total, p);
+        }
+        const __m128 h = _mm_add_ps(_mm256_castps256_ps128(total),
+                                    _mm256_extractf128_ps(total, 1));
+        const __m128 h2 = _mm_add_ps(h, _mm_movehl_ps(h, h));
+        const __m256 inv = _mm256_set1_ps(1.0f / _mm_cvtss_f32(_mm_add_ss(h2,
+                                                                          _mm_movehdup_ps(h2))));
+        for (int v0 = 0; v0 < nv; v0 += MAXV) {  /* dimensions 8 v0 .. in registers */
+            const int nc = nv - v0 < MAXV ? nv - v0 : MAXV;
+            __m256 acc[MAXV];
+            for (int v = 0; v < nc; v++) acc[v] = _mm256_setzero_ps();
+            int page = 0, slot = 0;
+            for (int t = 0; t < len; t++) {
+                const float *vr = v_cache + ((int64_t)table[page] * block_size + slot) * row
+                                  + 8 * v0;
+                const __m256 p = _mm256_broadcast_ss(s + t);
+                for (int v = 0; v < nc; v++)
+                    acc[v] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vr + 8 * v), acc[v]);
+                if (++slot == block_size) page++, slot = 0;
+            }
+            for (int v = 0; v < nc; v++)
+                _mm256_storeu_ps(out + g * dim + 8 * (v0 + v), _mm256_mul_ps(acc[v], inv));
+        }
+    }
+}
+
+/* q: row i, head j at q[i * q_stride + j * head_dim]; caches: [num_blocks, block_size,
+ * num_kv_heads, head_dim]; block_tables: [n, table_stride] int32; context_lens: [n] int32
+ * (tokens to attend to, the new one included, its K/V already written); out like q.
+ * Returns 0; -1 for a head_dim it does not take; -2 if scratch memory could not be had. */
+int paged_decode_attention_f32(const float *q, int64_t q_stride, const float *k_cache,
+                               const float *v_cache, const int32_t *block_tables,
+                               int64_t table_stride, const int32_t *context_lens, float *out,
+                               int64_t out_stride, int n, int num_heads, int num_kv_heads,
+                               int head_dim, int block_size, float scale, int threads) {
+    if (head_dim % 8 != 0 || head_dim > 256) return -1;
+    const int group = num_heads / num_kv_heads;
+    const int64_t row = (int64_t)num_kv_heads * head_dim;
+    int longest = 1, failed = 0;
+    for (int i = 0; i < n; i++) longest = context_lens[i] > longest ? context_lens[i] : longest;
+    const size_t padded = (size_t)(longest + TILE - 1) / TILE * TILE;
+    float zero[256] = {0};
+    #pragma omp parallel num_threads(threads)
+    {
+        float *scores = malloc(sizeof(float) * group * padded);
+        #pragma omp for schedule(dynamic, 1)
+        for (int item = 0; item < n * num_kv_heads; item++) {
+            if (scores == NULL) {
+                #pragma omp atomic write
+                failed = 1;
+                continue;
+            }
+            const int i = item / num_kv_heads, h = item % num_kv_heads;
+            const int64_t qoff = (int64_t)h * group * head_dim, kv = (int64_t)h * head_dim;
+            attend(q + i * q_stride + qoff, k_cache + kv, v_cache + kv,
+                   block_tables + i * table_stride, context_lens[i],
+                   out + i * out_stride + qoff, group, head_dim, row, block_size, scale, zero,
+                   scores);
+        }
+        free(scores);
+    }
+    return failed ? -2 : 0;
+}

@@ -1,0 +1,291 @@
+/* A float32 linear read straight from llama.cpp's Q4_0, Q4_1 or Q8_0 blocks, with AVX2 FMAs.
+ *
+ * Weights are dequantized exactly as the loader does (float32 d * q, + m: two roundings), so
+ * they are the float32 model's weights bit for bit, and products are summed in float32: only
+ * the order of the sums differs from F.linear. The GGUF blocks are a quarter (Q4_0) to a bit
+ * over a quarter (Q8_0) of float32's bytes, and at a decode step's row counts a float32 linear
+ * is bound by reading its weights.
+ *
+ * Two ways, by row count:
+ * - up to FEW_ROWS rows, each output row's blocks are dequantized into registers and multiplied
+ *   with every activation row at once (the weights are read once; nothing is stored);
+ * - past that, BLIS-style: a strip of NR output rows is dequantized a KC-long slice at a time
+ *   into a panel laid out [k][NR] (it stays in L1), and a register-blocked MR x NR product
+ *   runs over it for every MR activation rows, each activation broadcast against three
+ *   vectors of weights, so the weights' dequantizing is shared by all rows.
+ */
+#include <immintrin.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common.h"
+
+enum { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8 };  /* ggml's type numbers */
+#define FEW_ROWS 6   /* the register path's most rows */
+#define MR 6         /* activation rows of a register tile (12 accumulators) */
+#define NR 16        /* output rows of a strip: two vectors */
+#define KC 256       /* k of a panel slice: 16 KB, in L1 beside the activations' 6 KB */
+#define MAX_MC 96    /* activation rows a strip's sums hold (6 KB) */
+#define AHEAD 4      /* the few-rows path asks for the blocks of the output row this far on */
+
+static inline float f32_at(const uint8_t *p) {
+    float f;
+    memcpy(&f, p, 4);
+    return f;
+}
+
+static inline int block_bytes(int type) {
+    return type == Q8_0 ? 36 : type == Q4_1 ? 24 : 20;
+}
+
+/* One block's 32 weights in w[0..3] (elements 8c .. 8c + 7 in w[c]). */
+static inline void dequant_block(const uint8_t *b, int type, __m256 *w) {
+    const __m256 d = _mm256_set1_ps(f32_at(b));
+    if (type == Q8_0) {
+        const __m128i lo = _mm_loadu_si128((const __m128i *)(b + 4));
+        const __m128i hi = _mm_loadu_si128((const __m128i *)(b + 20));
+        w[0] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo)), d);
+        w[1] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8))), d);
+        w[2] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi)), d);
+        w[3] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8))), d);
+        return;
+    }
+    const __m128i bytes = _mm_loadu_si128((const __m128i *)(b + (type == Q4_1 ? 8 : 4)));
+    const __m128i mask = _mm_set1_epi8(15);
+    __m128i lo = _mm_and_si128(bytes, mask), hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), mask);
+    if (type == Q4_0) {
+        lo = _mm_sub_epi8(lo, _mm_set1_epi8(8));
+        hi = _mm_sub_epi8(hi, _mm_set1_epi8(8));
+    }
+    const __m128i q[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
+    for (int c = 0; c < 4; c++) {
+        const __m256 v = _mm256_cvtepi32_ps(type == Q4_0 ? _mm256_cvtepi8_epi32(q[c])
+                                                         : _mm256_cvtepu8_epi32(q[c]));
+        w[c] = _mm256_mul_ps(v, d);
+    }
+    if (type == Q4_1) {
+        const __m256 m = _mm256_set1_ps(f32_at(b + 4));
+        for (int c = 0; c < 4; c++) w[c] = _mm256_add_ps(w[c], m);
+    }
+}
+
+static inline float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+/* ---- A few rows: each output row's blocks dequantized into registers. ---- */
+static ALWAYS_INLINE void rows_times_blocks(int R, const float *x, int64_t x_stride, int k,
+                                            const uint8_t *w, int64_t row_bytes, int type,
+                                            const float *bias, float *y, int64_t y_stride,
+                                            int n0, int n1) {
+    const int bb = block_bytes(type), blocks = k / 32;
+    for (int n = n0; n < n1; n++) {
+        const uint8_t *row = w + (int64_t)n * row_bytes;
+        __m256 acc[FEW_ROWS][2];  /* two chains a row: FMA latency, not the units, bounds one */
+        for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+        for (int j = 0; j < blocks; j++) {
+            _mm_prefetch((const char *)row + AHEAD * row_bytes + j * bb, _MM_HINT_T0);
+            __m256 wv[4];
+            dequant_block(row + (int64_t)j * bb, type, wv);
+            for (int r = 0; r < R; r++) {
+                const float *xr = x + r * x_stride + 32 * j;
+                for (int c = 0; c < 4; c++)
+                    acc[r][c & 1] = _mm256_fmadd_ps(wv[c], _mm256_loadu_ps(xr + 8 * c),
+                                                    acc[r][c & 1]);
+            }
+        }
+        const float b = bias != NULL ? bias[n] : 0.0f;
+        for (int r = 0; r < R; r++)
+            y[r * y_stride + n] = hsum(_mm256_add_ps(acc[r][0], acc[r][1])) + b;
+    }
+}
+
+/* ---- Many rows: panels of NR output rows, register tiles of MR x NR. ---- */
+
+/* r[o] holds 16 bytes of row o (o < 8); afterwards t[i] holds byte 2i of the eight rows in its
+ * low half and byte 2i + 1 in its high half (byte 8h + o of t[i] is byte 2i + h of row o). */
+static inline void transpose_bytes(const __m128i *r, __m128i *t) {
+    __m128i a[8], b[8];
+    for (int i = 0; i < 4; i++) {  /* rows 2i, 2i + 1 interleaved: bytes 0-7, then 8-15 */
+        a[2 * i] = _mm_unpacklo_epi8(r[2 * i], r[2 * i + 1]);
+        a[2 * i + 1] = _mm_unpackhi_epi8(r[2 * i], r[2 * i + 1]);
+    }
+    for (int h = 0; h < 2; h++)    /* rows 0-3 (h = 0) or 4-7: bytes 0-3, 4-7, 8-11, 12-15 */
+        for (int i = 0; i < 2; i++) {
+            b[4 * h + 2 * i] = _mm_unpacklo_epi16(a[4 * h + i], a[4 * h + i + 2]);
+            b[4 * h + 2 * i + 1] = _mm_unpackhi_epi16(a[4 * h + i], a[4 * h + i + 2]);
+        }
+    for (int i = 0; i < 4; i++) {  /* b[i], b[i + 4]: bytes 4i .. 4i + 3 of rows 0-3, 4-7 */
+        t[2 * i] = _mm_unpacklo_epi32(b[i], b[i + 4]);
+        t[2 * i + 1] = _mm_unpackhi_epi32(b[i], b[i + 4]);
+    }
+}
+
+/* Panel row `dst` from the low 8 bytes of `bytes` (one byte per output): its low (shift 0) or
+ * high (shift 4) nibbles, or for Q8_0 the byte itself, dequantized by the outputs' d (and m). */
+static inline void panel_row(float *dst, __m128i bytes, int shift, __m256 d, __m256 m,
+                             int type) {
+    __m256i q;
+    if (type == Q8_0) {
+        q = _mm256_cvtepi8_epi32(bytes);
+    } else {
+        q = _mm256_cvtepu8_epi32(bytes);
+        q = shift ? _mm256_srli_epi32(q, 4) : _mm256_and_si256(q, _mm256_set1_epi32(15));
+        if (type == Q4_0) q = _mm256_sub_epi32(q, _mm256_set1_epi32(8));
+    }
+    __m256 v = _mm256_mul_ps(_mm256_cvtepi32_ps(q), d);
+    if (type == Q4_1) v = _mm256_add_ps(v, m);
+    _mm256_store_ps(dst, v);
+}
+
+static const uint8_t ZERO_BLOCK[36];  /* stands in for outputs past n: weights 0 */
+
+/* The panel [kc][NR] of output rows n0 .. n0 + NR - 1 (zero past `have` of them) and k from
+ * k0 (a multiple of 32): eight outputs' blocks at a time, their quantized bytes transposed so
+ * that each dequantizing step makes a row of the panel, eight outputs at one k. Not inlined:
+ * inlined into panels() it cost the register tiles 5-8% of their speed (GCC 12). */
+static __attribute__((noinline)) void pack_panel(const uint8_t *w, int64_t row_bytes,
+                                                 int type, int n0, int have, int k0, int kc,
+                                                 float *panel) {
+    const int bb = block_bytes(type), q0 = type == Q4_1 ? 8 : 4;
+    for (int g = 0; g < NR; g += 8) {
+        for (int j = 0; j < kc / 32; j++) {
+            const uint8_t *b[8];
+            for (int o = 0; o < 8; o++)
+                b[o] = g + o < have ? w + (int64_t)(n0 + g + o) * row_bytes
+                                      + (int64_t)(k0 / 32 + j) * bb
+                                    : ZERO_BLOCK;
+            /* built in registers: 8 scalar stores read back as one vector would stall */
+            const __m256 d = _mm256_setr_ps(f32_at(b[0]), f32_at(b[1]), f32_at(b[2]),
+                                            f32_at(b[3]), f32_at(b[4]), f32_at(b[5]),
+                                            f32_at(b[6]), f32_at(b[7]));
+            const __m256 m = type != Q4_1 ? _mm256_setzero_ps() : _mm256_setr_ps(
+                f32_at(b[0] + 4), f32_at(b[1] + 4), f32_at(b[2] + 4), f32_at(b[3] + 4),
+                f32_at(b[4] + 4), f32_at(b[5] + 4), f32_at(b[6] + 4), f32_at(b[7] + 4));
+            float *rows = panel + 32 * j * NR + g;
+            for (int half = 0; half < (type == Q8_0 ? 2 : 1); half++) {
+                __m128i r[8], t[8];
+                for (int o = 0; o < 8; o++)
+                    r[o] = _mm_loadu_si128((const __m128i *)(b[o] + q0 + 16 * half));
+                transpose_bytes(r, t);
+                for (int i = 0; i < 8; i++) {
+                    const __m128i hi = _mm_unpackhi_epi64(t[i], t[i]);
+                    const int e = 2 * i + 16 * half;  /* elements e, e + 1 (and + 16) */
+                    panel_row(rows + e * NR, t[i], 0, d, m, type);
+                    panel_row(rows + (e + 1) * NR, hi, 0, d, m, type);
+                    if (type != Q8_0) {
+                        panel_row(rows + (e + 16) * NR, t[i], 4, d, m, type);
+                        panel_row(rows + (e + 17) * NR, hi, 4, d, m, type);
+                    }
+                }
+            }
+        }
+    }
+}
+
+/* c[m][..] += x[m][k0 .. k0 + kc) . panel for the M <= MR rows of x from its row m; c is
+ * [M][NR], contiguous (a strip's sums, in L1). */
+static ALWAYS_INLINE void tile(int M, const float *x, int64_t x_stride, const float *panel,
+                               int kc, float *c) {
+    __m256 acc[MR][2];
+    for (int m = 0; m < M; m++)
+        for (int v = 0; v < 2; v++) acc[m][v] = _mm256_load_ps(c + m * NR + 8 * v);
+    for (int kk = 0; kk < kc; kk++) {
+        const __m256 b0 = _mm256_load_ps(panel + kk * NR);
+        const __m256 b1 = _mm256_load_ps(panel + kk * NR + 8);
+        for (int m = 0; m < M; m++) {
+            const __m256 a = _mm256_broadcast_ss(x + m * x_stride + kk);
+            acc[m][0] = _mm256_fmadd_ps(a, b0, acc[m][0]);
+            acc[m][1] = _mm256_fmadd_ps(a, b1, acc[m][1]);
+        }
+    }
+    for (int m = 0; m < M; m++)
+        for (int v = 0; v < 2; v++) _mm256_store_ps(c + m * NR + 8 * v, acc[m][v]);
+}
+
+#define TILE(M) tile(M, xm, x_stride, panel, kc, c + (m - m0) * NR)
+
+static int panels(const float *x, int64_t x_stride, const uint8_t *w, int64_t row_bytes,
+                  int type, const float *bias, float *y, int64_t y_stride, int rows, int n,
+                  int k, int threads) {
+    const int strips = (n + NR - 1) / NR;
+    /* MC rows of x at a time, all of their k in L2 (~256 KB) across this thread's strips */
+    int mc = 65536 / k / MR * MR;
+    mc = mc < MR ? MR : mc > MAX_MC ? MAX_MC : mc;
+    float *buf = aligned_alloc(32, sizeof(float) * (size_t)threads * (KC + mc) * NR);
+    if (buf == NULL) return -2;
+    #pragma omp parallel num_threads(threads)
+    {
+        int s0, s1, t = 0;
+#ifdef _OPENMP
+        t = omp_get_thread_num();
+#endif
+        float *panel = buf + (size_t)t * (KC + mc) * NR, *c = panel + KC * NR;
+        thread_share(strips, &s0, &s1);
+        for (int m0 = 0; m0 < rows; m0 += mc) {
+            const int m1 = rows - m0 < mc ? rows : m0 + mc;
+            for (int s = s0; s < s1; s++) {
+                const int n0 = s * NR, have = n - n0 < NR ? n - n0 : NR;
+                memset(c, 0, sizeof(float) * (m1 - m0) * NR);
+                /* the next strip's blocks (NR rows, contiguous), asked for a few lines after
+                 * each register tile, so they are in cache when it is packed */
+                const char *next = (const char *)(w + (int64_t)(n0 + NR) * row_bytes);
+                const int lines = s + 1 < s1 ? (int)((NR * row_bytes + 63) / 64) : 0;
+                const int calls = (k + KC - 1) / KC * ((m1 - m0) / MR);
+                const int per = calls ? (lines + calls - 1) / calls : lines;
+                int asked = 0;
+                for (int k0 = 0; k0 < k; k0 += KC) {
+                    const int kc = k - k0 < KC ? k - k0 : KC;
+                    pack_panel(w, row_bytes, type, n0, have, k0, kc, panel);
+                    int m = m0;
+                    for (; m + MR <= m1; m += MR) {
+                        const float *xm = x + m * x_stride + k0;
+                        TILE(MR);
+                        for (int i = 0; i < per && asked < lines; i++, asked++)
+                            _mm_prefetch(next + 64 * asked, _MM_HINT_T0);
+                    }
+                    for (; calls == 0 && asked < lines; asked++)  /* no full tile to wait on */
+                        _mm_prefetch(next + 64 * asked, _MM_HINT_T0);
+                    const float *xm = x + m * x_stride + k0;
+                    switch (m1 - m) {
+                    case 1: TILE(1); break;
+                    case 2: TILE(2); break;
+                    case 3: TILE(3); break;
+                    case 4: TILE(4); break;
+                    case 5: TILE(5); break;
+                    }
+                }
+                for (int m = m0; m < m1; m++)  /* y written once */
+                    for (int i = 0; i < have; i++)
+                        y[m * y_stride + n0 + i] = c[(m - m0) * NR + i]
+                                                   + (bias != NULL ? bias[n0 + i] : 0.0f);
+            }
+        }
+    }
+    free(buf);
+    return 0;
+}
+
+#define CASE(R) case R: rows_times_blocks(R, x, x_stride, k, w, row_bytes, type, bias, y, \
+                                          y_stride, n0, n1); break;
+
+/* y = x w^T (+ bias). x: [rows, k], y: [rows, n] float32 (row strides given), w: n rows of
+ * k / 32 blocks of `type`, row_bytes apart; bias: [n] or NULL. Returns -1 for a type or shape
+ * it does not handle, -2 without memory for its scratch. */
+int quant_linear_f32(const float *x, int64_t x_stride, const uint8_t *w, int64_t row_bytes,
+                     int type, const float *bias, float *y, int64_t y_stride, int rows, int n,
+                     int k, int threads) {
+    if ((type != Q4_0 && type != Q4_1 && type != Q8_0) || k % 32 != 0 || rows < 1) return -1;
+    if (rows > FEW_ROWS)
+        return panels(x, x_stride, w, row_bytes, type, bias, y, y_stride, rows, n, k, threads);
+    #pragma omp parallel num_threads(threads)
+    {
+        int n0, n1;
+        thread_share(n, &n0, &n1);
+        switch (rows) { CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) }
+    }
+    return 0;
+}

@@ -1,0 +1,99 @@
+/* What every kernel source shares: bfloat16 <-> float32 conversion, bit for bit as PyTorch
+ * converts (round to nearest even, NaN kept); the split of work among OpenMP threads; and what
+ * the build targets (AVX-512 BF16, AMX tiles), from the compiler's own macros. */
+#ifndef CONVEYOR_COMMON_H
+#define CONVEYOR_COMMON_H
+
+#include <stdint.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+static inline float bf16_load(uint16_t x) {
+    uint32_t u = (uint32_t)x << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline uint16_t bf16_store(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);  /* quiet NaN */
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+/* The plain-C kernels (generic/) serve both dtypes from one body: `bf16` is a constant in each
+ * entry point, so the compiler makes a specialisation of each. Values are float32 in registers;
+ * in memory, elements are float or bfloat16 (strides count elements), and round_to() rounds a
+ * float32 result as storing it in the model dtype would (nothing, in float32). */
+static inline float elem_load(const void *p, int64_t i, int bf16) {
+    return bf16 ? bf16_load(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+}
+
+static inline void elem_store(void *p, int64_t i, float v, int bf16) {
+    if (bf16)
+        ((uint16_t *)p)[i] = bf16_store(v);
+    else
+        ((float *)p)[i] = v;
+}
+
+static inline float round_to(float v, int bf16) { return bf16 ? bf16_load(bf16_store(v)) : v; }
+
+/* The shared bodies are inlined into each dtype's entry point. */
+#define ALWAYS_INLINE inline __attribute__((always_inline))
+
+/* This OpenMP thread's share [*begin, *end) of `count` items (output rows or strips): one
+ * contiguous run, empty for threads past the last item. */
+static inline void thread_share(int count, int *begin, int *end) {
+    int nt = 1, t = 0;
+#ifdef _OPENMP
+    nt = omp_get_num_threads();
+    t = omp_get_thread_num();
+#endif
+    const int per = (count + nt - 1) / nt;
+    *begin = t * per < count ? t * per : count;
+    *end = *begin + per < count ? *begin + per : count;
+}
+
+/* The bfloat16 kernels (csrc/avx512/) are built for the avx512 and amx tiers, which target
+ * AVX-512 F and BF16. */
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#define CONVEYOR_AVX512_BF16 1
+#include <immintrin.h>
+
+/* 16 bfloat16 values widened to float32 (exact) */
+static inline __m512 bf16x16_to_f32(__m256i h) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+#else
+#define CONVEYOR_AVX512_BF16 0
+#endif
+
+/* AMX tiles (quant_linear_bf16.c's products, paged_decode_bf16.c's scores): the amx tier. */
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define CONVEYOR_AMX 1
+#include <immintrin.h>
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} __attribute__((packed)) TileConfig;
+
+/* This thread's tiles: all eight 16 rows of 64 bytes. The asm names all 64 bytes of the config
+ * as read: GCC 12's _tile_loadconfig names only the first 8, so the compiler may drop the
+ * stores of the rest as dead (it did, in a test program: ldtilecfg then faulted). */
+static inline void configure_tiles(void) {
+    TileConfig cfg = {0};
+    cfg.palette = 1;
+    for (int i = 0; i < 8; i++) cfg.rows[i] = 16, cfg.colsb[i] = 64;
+    __asm__ volatile("ldtilecfg %0" : : "m"(cfg));
+}
+#else
+#define CONVEYOR_AMX 0
+#endif
+
+#endif

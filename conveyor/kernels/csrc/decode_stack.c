@@ -1,0 +1,116 @@
+/* Every decoder layer of a step of single-token queries, in one call, in the model dtype.
+ *
+ * With one to a few dozen single-token queries the work of a layer is small and the ~20 PyTorch
+ * calls that make it up (each with its Python and dispatch cost) are a large share of the step.
+ * This runs the same layer, in the same order and with the same roundings, as
+ * model.TransformerBlock on the CPU kernel path: the fused add + RMSNorm, the GGUF-block
+ * linears, the fused rope + KV write, the paged decode attention and SiLU(gate) * up are the
+ * kernels that path calls one by one. The same at every tier; the kernels are the tier's.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common.h"
+
+#define KERNELS(T) \
+int quant_linear_##T(const void *x, int64_t x_stride, const uint8_t *w, int64_t row_bytes, \
+                     int type, const void *bias, void *y, int64_t y_stride, int rows, int n, \
+                     int k, int threads); \
+void add_rms_norm_##T(const void *x, int64_t x_stride, void *residual, const void *weight, \
+                      void *out, int64_t out_stride, int rows, int dim, float eps, int threads); \
+void silu_mul_##T(void *gu, int64_t stride, int rows, int inter, int threads); \
+void rope_kv_write_##T(void *qk, int64_t qk_stride, const void *v, int64_t v_stride, \
+                       const void *cos, const void *sin, int64_t cs_stride, \
+                       const int64_t *slots, void *k_cache, void *v_cache, int tokens, \
+                       int heads, int kv_heads, int dim, int threads); \
+int paged_decode_attention_##T(const void *q, int64_t q_stride, const void *k_cache, \
+                               const void *v_cache, const int32_t *block_tables, \
+                               int64_t table_stride, const int32_t *context_lens, void *out, \
+                               int64_t out_stride, int n, int num_heads, int num_kv_heads, \
+                               int head_dim, int block_size, float scale, int threads);
+KERNELS(f32)
+#if CONVEYOR_AVX512_BF16
+KERNELS(bf16)
+#define BY_DTYPE(name, ...) (bf16 ? name##_bf16(__VA_ARGS__) : name##_f32(__VA_ARGS__))
+#else
+#define BY_DTYPE(name, ...) name##_f32(__VA_ARGS__)
+#endif
+
+/* A GGUF-block matrix: out rows of row_bytes, of ggml type `type`. */
+typedef struct {
+    const uint8_t *blocks;
+    int64_t row_bytes;
+    int32_t type;
+} Matrix;
+
+typedef struct {
+    const void *attention_norm, *ffn_norm;  /* [hidden] */
+    Matrix wqkv, wo, w13, w2;
+    const void *qkv_bias;                   /* [qkv] or NULL */
+    void *k_cache, *v_cache;                /* [blocks, block_size, kv_heads, dim] */
+} Layer;
+
+typedef struct {
+    int hidden, heads, kv_heads, dim, intermediate, block_size;
+    float eps, scale;
+} Shape;
+
+/* h: [rows, hidden], the embeddings in, the last layer's output out; residual: [rows, hidden],
+ * the stream before that output (as TransformerBlock returns them). cos, sin: [rows, dim];
+ * slots: [rows]; block_tables: [rows, table_stride]; context_lens: [rows]. Returns 0, or the
+ * first failing kernel's code. */
+static ALWAYS_INLINE int decode_stack(const Layer *layers, int num_layers, const Shape *s,
+                                      void *h, void *residual, int rows, const void *cos,
+                                      const void *sin, const int64_t *slots,
+                                      const int32_t *block_tables, int64_t table_stride,
+                                      const int32_t *context_lens, int threads, int bf16) {
+    const int hid = s->hidden, q = s->heads * s->dim, kv = s->kv_heads * s->dim;
+    const int qkv = q + 2 * kv, inter = s->intermediate;
+    const size_t elem = bf16 ? 2 : 4;
+    char *x = malloc(elem * rows * (hid + qkv + q + hid + 2 * inter));
+    if (x == NULL) return -2;
+    char *t_qkv = x + elem * rows * hid, *o = t_qkv + elem * rows * qkv, *a = o + elem * rows * q;
+    char *gu = a + elem * rows * hid;
+    int rc = 0;
+    memcpy(residual, h, elem * rows * hid);
+    for (int i = 0; i < num_layers && rc == 0; i++) {
+        const Layer *l = &layers[i];
+        BY_DTYPE(add_rms_norm, h, hid, i == 0 ? NULL : residual, l->attention_norm, x, hid, rows,
+                 hid, s->eps, threads);
+        rc = BY_DTYPE(quant_linear, x, hid, l->wqkv.blocks, l->wqkv.row_bytes, l->wqkv.type,
+                      l->qkv_bias, t_qkv, qkv, rows, qkv, hid, threads);
+        if (rc) break;
+        BY_DTYPE(rope_kv_write, t_qkv, qkv, t_qkv + elem * (q + kv), qkv, cos, sin, s->dim,
+                 slots, l->k_cache, l->v_cache, rows, s->heads, s->kv_heads, s->dim, threads);
+        rc = BY_DTYPE(paged_decode_attention, t_qkv, qkv, l->k_cache, l->v_cache, block_tables,
+                      table_stride, context_lens, o, q, rows, s->heads, s->kv_heads, s->dim,
+                      s->block_size, s->scale, threads);
+        if (rc) break;
+        rc = BY_DTYPE(quant_linear, o, q, l->wo.blocks, l->wo.row_bytes, l->wo.type, NULL, a, hid,
+                      rows, hid, q, threads);
+        if (rc) break;
+        BY_DTYPE(add_rms_norm, a, hid, residual, l->ffn_norm, x, hid, rows, hid, s->eps, threads);
+        rc = BY_DTYPE(quant_linear, x, hid, l->w13.blocks, l->w13.row_bytes, l->w13.type, NULL,
+                      gu, 2 * inter, rows, 2 * inter, hid, threads);
+        if (rc) break;
+        BY_DTYPE(silu_mul, gu, 2 * inter, rows, inter, threads);
+        rc = BY_DTYPE(quant_linear, gu, 2 * inter, l->w2.blocks, l->w2.row_bytes, l->w2.type,
+                      NULL, h, hid, rows, hid, inter, threads);
+    }
+    free(x);
+    return rc;
+}
+
+#define ENTRY(T, BF16) \
+int decode_stack_##T(const Layer *layers, int num_layers, const Shape *s, void *h, \
+                     void *residual, int rows, const void *cos, const void *sin, \
+                     const int64_t *slots, const int32_t *block_tables, int64_t table_stride, \
+                     const int32_t *context_lens, int threads) { \
+    return decode_stack(layers, num_layers, s, h, residual, rows, cos, sin, slots, block_tables, \
+                        table_stride, context_lens, threads, BF16); \
+}
+ENTRY(f32, 0)
+#if CONVEYOR_AVX512_BF16
+ENTRY(bf16, 1)
+#endif

@@ -1,0 +1,70 @@
+/* Decode attention straight from the paged KV cache, in float32, in plain C.
+ *
+ * One query token per row (a decode, or a short prompt's token with the context up to it). Each
+ * row's pages are read in place: no gather into a contiguous copy, no padding to the batch's
+ * longest context. Scores, softmax and the weighted sum of values are float32, as PyTorch's
+ * float32 SDPA; only the order of the sums differs. The avx2 tier replaces this file.
+ */
+#include <float.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* One query head against its KV head's cached rows (the caches offset to that head). */
+static void attend(const float *q, const float *k_cache, const float *v_cache,
+                   const int32_t *table, int len, float *out, int dim, int64_t row,
+                   int block_size, float scale, float *scores) {
+    float top = -FLT_MAX, total = 0.0f;
+    for (int t = 0; t < len; t++) {
+        const float *k = k_cache + ((int64_t)table[t / block_size] * block_size + t % block_size)
+                         * row;
+        float s = 0.0f;
+        for (int d = 0; d < dim; d++) s += q[d] * k[d];
+        scores[t] = s * scale;
+        top = scores[t] > top ? scores[t] : top;
+    }
+    for (int d = 0; d < dim; d++) out[d] = 0.0f;
+    for (int t = 0; t < len; t++) {
+        const float p = expf(scores[t] - top);
+        const float *v = v_cache + ((int64_t)table[t / block_size] * block_size + t % block_size)
+                         * row;
+        total += p;
+        for (int d = 0; d < dim; d++) out[d] += p * v[d];
+    }
+    for (int d = 0; d < dim; d++) out[d] /= total;
+}
+
+/* q: row i, head j at q[i * q_stride + j * head_dim]; caches: [num_blocks, block_size,
+ * num_kv_heads, head_dim]; block_tables: [n, table_stride] int32; context_lens: [n] int32
+ * (tokens to attend to, the new one included, its K/V already written); out like q.
+ * Returns 0, or -2 if scratch memory could not be allocated. */
+int paged_decode_attention_f32(const float *q, int64_t q_stride, const float *k_cache,
+                               const float *v_cache, const int32_t *block_tables,
+                               int64_t table_stride, const int32_t *context_lens, float *out,
+                               int64_t out_stride, int n, int num_heads, int num_kv_heads,
+                               int head_dim, int block_size, float scale, int threads) {
+    const int group = num_heads / num_kv_heads;
+    const int64_t row = (int64_t)num_kv_heads * head_dim;
+    int longest = 1, failed = 0;
+    for (int i = 0; i < n; i++) longest = context_lens[i] > longest ? context_lens[i] : longest;
+    #pragma omp parallel num_threads(threads)
+    {
+        float *scores = malloc(sizeof(float) * longest);
+        #pragma omp for schedule(dynamic, 1)
+        for (int item = 0; item < n * num_heads; item++) {
+            const int i = item / num_heads, j = item % num_heads;
+            if (scores == NULL) {
+                #pragma omp atomic write
+                failed = 1;
+                continue;
+            }
+            const int64_t kv = (int64_t)(j / group) * head_dim;
+            attend(q + i * q_stride + j * head_dim, k_cache + kv, v_cache + kv,
+                   block_tables + i * table_stride, context_lens[i],
+                   out + i * out_stride + j * head_dim, head_dim, row, block_size, scale, scores);
+        }
+        free(scores);
+    }
+    return failed ? -2 : 0;
+}

@@ -1,0 +1,124 @@
+"""The CPU kernels for a dtype at this process's tier: built on first use, or None with one log
+line saying why (no compiler, a build error, a dtype or shape no kernel takes), and the model
+then runs plain PyTorch. Nothing here may take the process down for the machine it is on."""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import os
+import subprocess
+from dataclasses import dataclass
+
+import torch
+
+from conveyor.kernels import build, isa
+from conveyor.kernels.bindings import (AddRMSNorm, ArgmaxRows, DecodeKernel, DecodeStack,
+                                       QuantLinear, RopeKVWrite, SiluMul, StackLayer, has_entry)
+
+logger = logging.getLogger("conveyor")
+
+BF16_HEAD_DIMS = (64, 128)  # the specialisations paged_decode_bf16.c compiles
+OFF = "CONVEYOR_CPU_KERNELS"
+
+
+@dataclass
+class CPUKernels:
+    tier: str
+    dtype: torch.dtype
+    decode_attention: DecodeKernel
+    add_rms_norm: AddRMSNorm
+    silu_mul: SiluMul
+    rope_kv_write: RopeKVWrite
+    quant_linear: QuantLinear
+    argmax_rows: ArgmaxRows
+    lib: ctypes.CDLL
+
+    def decode_stack(self, layers: list[StackLayer], **shape) -> DecodeStack:
+        """The one-call layer stack over these layers."""
+        q = self.quant_linear
+        rows = q.max_rows if q.amx or self.dtype == torch.float32 else DecodeStack.FMA_ROWS
+        return DecodeStack(self.lib, self.dtype, layers, max_rows=rows, **shape)
+
+
+@functools.cache
+def load_library(tier: str) -> ctypes.CDLL | None:
+    """The tier's library, built once per process (and cached on disk); None, logged, if it
+    cannot be built or loaded."""
+    cc = build.compiler()
+    if cc is None:
+        logger.warning("no C compiler found: the CPU kernels are off, the model runs plain "
+                       "PyTorch (slower)")
+        return None
+    try:
+        return ctypes.CDLL(str(build.build(tier, isa.current(), cc)))
+    except (OSError, subprocess.CalledProcessError) as e:
+        detail = (getattr(e, "stderr", "") or str(e)).strip()
+        logger.warning("could not build the %s CPU kernels, running plain PyTorch: %s", tier,
+                       detail.splitlines()[-1] if detail else e)
+        return None
+
+
+def unavailable(dtype: torch.dtype, head_dim: int, tier: str) -> str | None:
+    """Why no kernel takes this dtype and head_dim at this tier, or None if they do."""
+    if os.environ.get(OFF, "").lower() == "off":
+        return f"{OFF}=off"
+    if dtype == torch.bfloat16:
+        if tier not in isa.BF16_TIERS:
+            return f"bfloat16 kernels need the avx512 or amx tier (this is {tier})"
+        if head_dim not in BF16_HEAD_DIMS:
+            return f"the bfloat16 decode attention takes head_dim {BF16_HEAD_DIMS}, not {head_dim}"
+        return None
+    if dtype != torch.float32:
+        return f"no CPU kernels for {dtype}"
+    return None
+
+
+def kernels_at(tier: str, dtype: torch.dtype, head_dim: int) -> CPUKernels | None:
+    """The kernels of ``tier`` (which this CPU must be able to run) for this dtype."""
+    if unavailable(dtype, head_dim, tier) is not None:
+        return None
+    lib = load_library(tier)
+    if lib is None or not has_entry(lib, "quant_linear", dtype):
+        return None
+    return CPUKernels(tier, dtype, DecodeKernel(lib, dtype), AddRMSNorm(lib, dtype),
+                      SiluMul(lib, dtype), RopeKVWrite(lib, dtype), QuantLinear(lib, dtype),
+                      ArgmaxRows(lib), lib)
+
+
+def cpu_kernels(device: torch.device, dtype: torch.dtype, head_dim: int) -> CPUKernels | None:
+    """The kernels for this process's tier when they apply here (the CPU, float32 at any tier,
+    bfloat16 where the tier computes it) and build."""
+    if device.type != "cpu":
+        return None
+    tier = isa.current().tier
+    why = unavailable(dtype, head_dim, tier)
+    if why is not None:
+        logger.info("CPU kernels off: %s; the model runs plain PyTorch", why)
+        return None
+    return kernels_at(tier, dtype, head_dim)
+
+
+def describe(device: torch.device, dtype: torch.dtype, head_dim: int,
+             kernels: CPUKernels | None) -> str:
+    """One line: which path the model runs here, and why."""
+    if device.type != "cpu":
+        return f"PyTorch on {device.type}"
+    choice = isa.current()
+    if kernels is not None:
+        return f"C kernels, CPU tier {choice.describe()}"
+    why = (unavailable(dtype, head_dim, choice.tier)
+           or "the kernels did not build (see the warning above)")
+    return f"plain PyTorch ({why}), CPU tier {choice.describe()}"
+
+
+def fma_peak(threads: int) -> float | None:
+    """This machine's float32 multiply-add peak at its tier's vector width, in GFLOP/s, measured
+    (``csrc/fma_peak.c``); None without the kernels."""
+    lib = load_library(isa.current().tier)
+    if lib is None:
+        return None
+    fn = lib.fma_peak_gflops
+    fn.argtypes, fn.restype = [ctypes.c_int, ctypes.c_double, ctypes.c_int], ctypes.c_double
+    return fn(threads, 0.25, 5)
