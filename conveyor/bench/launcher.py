@@ -32,11 +32,14 @@ class ServerProcess:
     def command(self) -> list[str]:
         raise NotImplementedError
 
+    def environment(self) -> dict[str, str]:
+        return dict(os.environ, HF_HUB_OFFLINE="1")
+
     def __enter__(self) -> "ServerProcess":
         self._log = open(self.log_path, "w")
         cmd = self.command()
-        env = dict(os.environ, HF_HUB_OFFLINE="1")
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env)
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT,
+                                     env=self.environment())
         deadline = time.monotonic() + self.startup_timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

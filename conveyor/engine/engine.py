@@ -7,6 +7,7 @@ server's engine thread) calls it while there is work.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import logging
 import time
 from collections import deque
@@ -109,6 +110,11 @@ class LLMEngine:
         self.steps: deque[StepRecord] = deque(maxlen=STEP_HISTORY)
         self.num_steps = 0
         self.timeline = BatchTimeline(config.max_num_seqs)
+        # The model, tokenizer and libraries loaded so far are permanent: moved out of the
+        # cycle collector's sight, its collections only walk what the steps create (they were
+        # ~5% of a one-request step here), as vLLM's engine does after start-up.
+        gc.collect()
+        gc.freeze()
 
     # -- requests ------------------------------------------------------------------------------
     def tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:

@@ -21,6 +21,7 @@
 
 #define TILE 8
 #define MAXV 8  /* vectors of a query head held in registers at once (64 dimensions) */
+#define AHEAD 2 /* tiles of rows asked for ahead of the products */
 
 /* exp(x) for x <= 0 (softmax's x - max): exp2 of the integer part by exponent bits, a degree-5
  * polynomial for the rest (Cephes' coefficients; within 2 float32 steps of expf). */
@@ -51,23 +52,32 @@ static inline __m256 sum8(const __m256 *a) {
                          _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 
-static inline const float *token_row(const float *cache, const int32_t *table, int t,
-                                     int block_size, int64_t row) {
-    return cache + ((int64_t)table[t / block_size] * block_size + t % block_size) * row;
+static inline void prefetch_row(const float *r, int lines) {
+    for (int i = 0; i < lines; i++) _mm_prefetch((const char *)r + 64 * i, _MM_HINT_T0);
 }
 
 /* One request and one KV head (the caches offset to it), with its `group` query heads at q:
- * scores against every cached token, softmax, weighted sum of values into out.
- * scores: [group][len rounded up to TILE] of scratch. */
-static void attend(const float *q, const float *k_cache, const float *v_cache,
-                   const int32_t *table, int len, float *out, int group, int dim, int64_t row,
-                   int block_size, float scale, const float *zero, float *scores) {
+ * scores against every cached token, softmax, weighted sum of values into out. at: each
+ * token's row offset in either cache (elements; see paged_decode_attention_f32); scores:
+ * [group][len rounded up to TILE] of scratch; zero: a row of zeros past len. */
+static ALWAYS_INLINE void attend(const float *q, const float *k_cache, const float *v_cache,
+                                  const int64_t *at, int len, float *out, int group,
+                                  const int dim, float scale, const float *zero,
+                                  float *scores) {
     const int nv = dim / 8, padded = (len + TILE - 1) / TILE * TILE;
+    const int lines = (dim * 4 + 63) / 64;  /* of a token's row of this head */
     const __m256 vscale = _mm256_set1_ps(scale);
+    /* pages lie anywhere in the pool: rows are asked for by hand AHEAD tiles before the
+     * products read them (K's; past the end, V's first ones, as the next pass reads them) */
+    for (int t = 0; t < AHEAD * TILE && t < len; t++) prefetch_row(k_cache + at[t], lines);
     for (int t0 = 0; t0 < len; t0 += TILE) {
         const float *k[TILE];
-        for (int t = 0; t < TILE; t++)
-            k[t] = t0 + t < len ? token_row(k_cache, table, t0 + t, block_size, row) : zero;
+        for (int t = 0; t < TILE; t++) k[t] = t0 + t < len ? k_cache + at[t0 + t] : zero;
+        for (int t = t0 + AHEAD * TILE; t < t0 + (AHEAD + 1) * TILE; t++)
+            if (t < len)
+                prefetch_row(k_cache + at[t], lines);
+            else if (t - len < AHEAD * TILE)
+                prefetch_row(v_cache + at[t - len], lines);
         for (int g = 0; g < group; g++) {
             const float *qg = q + g * dim;
             __m256 acc[TILE];
@@ -103,14 +113,13 @@ static void attend(const float *q, const float *k_cache, const float *v_cache,
             const int nc = nv - v0 < MAXV ? nv - v0 : MAXV;
             __m256 acc[MAXV];
             for (int v = 0; v < nc; v++) acc[v] = _mm256_setzero_ps();
-            int page = 0, slot = 0;
             for (int t = 0; t < len; t++) {
-                const float *vr = v_cache + ((int64_t)table[page] * block_size + slot) * row
-                                  + 8 * v0;
+                const float *vr = v_cache + at[t] + 8 * v0;
+                if (g == 0 && v0 == 0 && t + AHEAD * TILE < len)
+                    prefetch_row(v_cache + at[t + AHEAD * TILE], lines);
                 const __m256 p = _mm256_broadcast_ss(s + t);
                 for (int v = 0; v < nc; v++)
                     acc[v] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vr + 8 * v), acc[v]);
-                if (++slot == block_size) page++, slot = 0;
             }
             for (int v = 0; v < nc; v++)
                 _mm256_storeu_ps(out + g * dim + 8 * (v0 + v), _mm256_mul_ps(acc[v], inv));
@@ -136,22 +145,40 @@ int paged_decode_attention_f32(const float *q, int64_t q_stride, const float *k_
     float zero[256] = {0};
     #pragma omp parallel num_threads(threads)
     {
-        float *scores = malloc(sizeof(float) * group * padded);
+        /* a request's row offsets (the same in K and V), then one item's scores */
+        int64_t *at = malloc(sizeof(int64_t) * padded + sizeof(float) * group * padded);
+        float *scores = (float *)(at + padded);
+        int have = -1;  /* the request whose offsets `at` holds */
         #pragma omp for schedule(dynamic, 1)
         for (int item = 0; item < n * num_kv_heads; item++) {
-            if (scores == NULL) {
+            if (at == NULL) {
                 #pragma omp atomic write
                 failed = 1;
                 continue;
             }
             const int i = item / num_kv_heads, h = item % num_kv_heads;
+            const int32_t *table = block_tables + i * table_stride;
+            if (have != i) {  /* stepped along the pages: no division a token */
+                for (int t = 0, page = 0, slot = 0; t < context_lens[i]; t++) {
+                    at[t] = ((int64_t)table[page] * block_size + slot) * row;
+                    if (++slot == block_size) page++, slot = 0;
+                }
+                have = i;
+            }
             const int64_t qoff = (int64_t)h * group * head_dim, kv = (int64_t)h * head_dim;
-            attend(q + i * q_stride + qoff, k_cache + kv, v_cache + kv,
-                   block_tables + i * table_stride, context_lens[i],
-                   out + i * out_stride + qoff, group, head_dim, row, block_size, scale, zero,
-                   scores);
+            const float *qi = q + i * q_stride + qoff, *ki = k_cache + kv, *vi = v_cache + kv;
+            float *oi = out + i * out_stride + qoff;
+            /* the common head sizes as constants, so the loops over a row unroll into
+             * registers (a runtime size left the sums in memory: ~5x the time) */
+            if (head_dim == 64)
+                attend(qi, ki, vi, at, context_lens[i], oi, group, 64, scale, zero, scores);
+            else if (head_dim == 128)
+                attend(qi, ki, vi, at, context_lens[i], oi, group, 128, scale, zero, scores);
+            else
+                attend(qi, ki, vi, at, context_lens[i], oi, group, head_dim, scale, zero,
+                       scores);
         }
-        free(scores);
+        free(at);
     }
     return failed ? -2 : 0;
 }

@@ -1,18 +1,19 @@
 /* A float32 linear read straight from llama.cpp's Q4_0, Q4_1 or Q8_0 blocks, with AVX2 FMAs.
  *
- * Weights are dequantized exactly as the loader does (float32 d * q, + m: two roundings), so
- * they are the float32 model's weights bit for bit, and products are summed in float32: only
- * the order of the sums differs from F.linear. The GGUF blocks are a quarter (Q4_0) to a bit
- * over a quarter (Q8_0) of float32's bytes, and at a decode step's row counts a float32 linear
- * is bound by reading its weights.
+ * The GGUF blocks are a quarter (Q4_0) to a bit over a quarter (Q8_0) of float32's bytes, and
+ * at a decode step's row counts a float32 linear is bound by reading its weights. Products are
+ * summed in float32; the results are F.linear's on the loader's float32 weights up to the order
+ * (and, up to FEW_ROWS rows, the factoring) of those sums.
  *
  * Two ways, by row count:
- * - up to FEW_ROWS rows, each output row's blocks are dequantized into registers and multiplied
- *   with every activation row at once (the weights are read once; nothing is stored);
- * - past that, BLIS-style: a strip of NR output rows is dequantized a KC-long slice at a time
- *   into a panel laid out [k][NR] (it stays in L1), and a register-blocked MR x NR product
- *   runs over it for every MR activation rows, each activation broadcast against three
- *   vectors of weights, so the weights' dequantizing is shared by all rows.
+ * - up to FEW_ROWS rows, each output row's blocks are multiplied in registers with every
+ *   activation row at once, the block scales factored out of the sums (the weights are read
+ *   once; nothing is stored);
+ * - past that, BLIS-style: a strip of NR output rows is dequantized exactly as the loader does
+ *   (float32 d * q, + m: two roundings) a KC-long slice at a time into a panel laid out
+ *   [k][NR] (it stays in L1), and a register-blocked MR x NR product runs over it for every MR
+ *   activation rows, each activation broadcast against two vectors of weights, so the
+ *   dequantizing is shared by all rows. The next strip's blocks are prefetched meanwhile.
  */
 #include <immintrin.h>
 #include <stdint.h>
@@ -39,67 +40,83 @@ static inline int block_bytes(int type) {
     return type == Q8_0 ? 36 : type == Q4_1 ? 24 : 20;
 }
 
-/* One block's 32 weights in w[0..3] (elements 8c .. 8c + 7 in w[c]). */
-static inline void dequant_block(const uint8_t *b, int type, __m256 *w) {
-    const __m256 d = _mm256_set1_ps(f32_at(b));
-    if (type == Q8_0) {
-        const __m128i lo = _mm_loadu_si128((const __m128i *)(b + 4));
-        const __m128i hi = _mm_loadu_si128((const __m128i *)(b + 20));
-        w[0] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo)), d);
-        w[1] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8))), d);
-        w[2] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi)), d);
-        w[3] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8))), d);
-        return;
-    }
-    const __m128i bytes = _mm_loadu_si128((const __m128i *)(b + (type == Q4_1 ? 8 : 4)));
-    const __m128i mask = _mm_set1_epi8(15);
-    __m128i lo = _mm_and_si128(bytes, mask), hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), mask);
-    if (type == Q4_0) {
-        lo = _mm_sub_epi8(lo, _mm_set1_epi8(8));
-        hi = _mm_sub_epi8(hi, _mm_set1_epi8(8));
-    }
-    const __m128i q[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
-    for (int c = 0; c < 4; c++) {
-        const __m256 v = _mm256_cvtepi32_ps(type == Q4_0 ? _mm256_cvtepi8_epi32(q[c])
-                                                         : _mm256_cvtepu8_epi32(q[c]));
-        w[c] = _mm256_mul_ps(v, d);
-    }
-    if (type == Q4_1) {
-        const __m256 m = _mm256_set1_ps(f32_at(b + 4));
-        for (int c = 0; c < 4; c++) w[c] = _mm256_add_ps(w[c], m);
-    }
-}
-
 static inline float hsum(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 
-/* ---- A few rows: each output row's blocks dequantized into registers. ---- */
-static ALWAYS_INLINE void rows_times_blocks(int R, const float *x, int64_t x_stride, int k,
-                                            const uint8_t *w, int64_t row_bytes, int type,
-                                            const float *bias, float *y, int64_t y_stride,
-                                            int n0, int n1) {
-    const int bb = block_bytes(type), blocks = k / 32;
+/* ---- A few rows: each output row's blocks multiplied in registers, scales factored out. ----
+ * y = sum over blocks j of d_j * (x . q_j) (+ m_j * (the sum of x over block j), Q4_1): the
+ * quantized values are converted to float32 (exact), never scaled one by one, which takes half
+ * the vector work of dequantizing each weight; at a decode's row counts that work, not the
+ * products, bounds the kernel. The sums are the loader's weights' up to float32 rounding (a
+ * one-hot row still reads a weight bit for bit: d * q, then + m, two roundings). */
+
+/* A block's quantized values as float32, unscaled (Q4_1: q, 0..15; Q4_0: q - 8; Q8_0: q),
+ * elements 8c .. 8c + 7 in v[c]. */
+static ALWAYS_INLINE void block_values(const uint8_t *b, int type, __m256 *v) {
+    if (type == Q8_0) {
+        for (int c = 0; c < 4; c++)
+            v[c] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                _mm_loadl_epi64((const __m128i *)(b + 4 + 8 * c))));
+        return;
+    }
+    const uint8_t *qs = b + (type == Q4_1 ? 8 : 4);
+    const __m256i lo = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)qs));
+    const __m256i hi = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(qs + 8)));
+    const __m256i fifteen = _mm256_set1_epi32(15);
+    __m256i q[4] = {_mm256_and_si256(lo, fifteen), _mm256_and_si256(hi, fifteen),
+                    _mm256_srli_epi32(lo, 4), _mm256_srli_epi32(hi, 4)};
+    for (int c = 0; c < 4; c++) {
+        if (type == Q4_0) q[c] = _mm256_sub_epi32(q[c], _mm256_set1_epi32(8));
+        v[c] = _mm256_cvtepi32_ps(q[c]);
+    }
+}
+
+/* R rows of x (R <= FEW_ROWS) times output rows [n0, n1). xsum: for Q4_1, each row's blocks
+ * of x folded to 8 lanes ([R][blocks][8]), what m_j multiplies. One row keeps two chains of
+ * each sum (alternate blocks), so the FMA latency does not bound it; more rows are chains of
+ * their own. */
+static ALWAYS_INLINE void rows_times_blocks(int R, int type, const float *x, int64_t x_stride,
+                                            int k, const float *xsum, const uint8_t *w,
+                                            int64_t row_bytes, const float *bias, float *y,
+                                            int64_t y_stride, int n0, int n1) {
+    const int bb = block_bytes(type), blocks = k / 32, chains = R == 1 ? 2 : 1;
     for (int n = n0; n < n1; n++) {
         const uint8_t *row = w + (int64_t)n * row_bytes;
-        __m256 acc[FEW_ROWS][2];  /* two chains a row: FMA latency, not the units, bounds one */
-        for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+        __m256 dacc[FEW_ROWS][2], macc[FEW_ROWS][2];
+        for (int r = 0; r < R; r++)
+            for (int h = 0; h < chains; h++)
+                dacc[r][h] = macc[r][h] = _mm256_setzero_ps();
         for (int j = 0; j < blocks; j++) {
-            _mm_prefetch((const char *)row + AHEAD * row_bytes + j * bb, _MM_HINT_T0);
-            __m256 wv[4];
-            dequant_block(row + (int64_t)j * bb, type, wv);
+            const uint8_t *b = row + (int64_t)j * bb;
+            const int h = chains == 2 ? j & 1 : 0;
+            _mm_prefetch((const char *)b + AHEAD * row_bytes, _MM_HINT_T0);
+            __m256 v[4];
+            block_values(b, type, v);
+            const __m256 d = _mm256_broadcast_ss((const float *)b);
             for (int r = 0; r < R; r++) {
                 const float *xr = x + r * x_stride + 32 * j;
-                for (int c = 0; c < 4; c++)
-                    acc[r][c & 1] = _mm256_fmadd_ps(wv[c], _mm256_loadu_ps(xr + 8 * c),
-                                                    acc[r][c & 1]);
+                __m256 s = _mm256_mul_ps(v[0], _mm256_loadu_ps(xr));
+                for (int c = 1; c < 4; c++)
+                    s = _mm256_fmadd_ps(v[c], _mm256_loadu_ps(xr + 8 * c), s);
+                dacc[r][h] = _mm256_fmadd_ps(d, s, dacc[r][h]);
+                if (type == Q4_1)
+                    macc[r][h] = _mm256_fmadd_ps(_mm256_broadcast_ss((const float *)(b + 4)),
+                                                 _mm256_loadu_ps(xsum + (r * blocks + j) * 8),
+                                                 macc[r][h]);
             }
         }
-        const float b = bias != NULL ? bias[n] : 0.0f;
-        for (int r = 0; r < R; r++)
-            y[r * y_stride + n] = hsum(_mm256_add_ps(acc[r][0], acc[r][1])) + b;
+        const float bv = bias != NULL ? bias[n] : 0.0f;
+        for (int r = 0; r < R; r++) {
+            __m256 dsum = dacc[r][0], msum = macc[r][0];
+            if (chains == 2) {
+                dsum = _mm256_add_ps(dsum, dacc[r][1]);
+                msum = _mm256_add_ps(msum, macc[r][1]);
+            }
+            y[r * y_stride + n] = hsum(dsum) + hsum(msum) + bv;
+        }
     }
 }
 
@@ -269,8 +286,9 @@ static int panels(const float *x, int64_t x_stride, const uint8_t *w, int64_t ro
     return 0;
 }
 
-#define CASE(R) case R: rows_times_blocks(R, x, x_stride, k, w, row_bytes, type, bias, y, \
-                                          y_stride, n0, n1); break;
+#define CASE(R, T) case R: rows_times_blocks(R, T, x, x_stride, k, xsum, w, row_bytes, bias, \
+                                             y, y_stride, n0, n1); break;
+#define ROWS(T) switch (rows) { CASE(1, T) CASE(2, T) CASE(3, T) CASE(4, T) CASE(5, T) CASE(6, T) }
 
 /* y = x w^T (+ bias). x: [rows, k], y: [rows, n] float32 (row strides given), w: n rows of
  * k / 32 blocks of `type`, row_bytes apart; bias: [n] or NULL. Returns -1 for a type or shape
@@ -281,11 +299,30 @@ int quant_linear_f32(const float *x, int64_t x_stride, const uint8_t *w, int64_t
     if ((type != Q4_0 && type != Q4_1 && type != Q8_0) || k % 32 != 0 || rows < 1) return -1;
     if (rows > FEW_ROWS)
         return panels(x, x_stride, w, row_bytes, type, bias, y, y_stride, rows, n, k, threads);
+    const int blocks = k / 32;
+    float *xsum = aligned_alloc(32, sizeof(float) * 8 * rows * blocks);
+    if (xsum == NULL) return -2;
+    for (int r = 0; r < rows; r++)  /* each block of x folded to 8 lanes: m_j's factor */
+        for (int j = 0; j < blocks; j++) {
+            const float *xr = x + r * x_stride + 32 * j;
+            _mm256_store_ps(xsum + (r * blocks + j) * 8,
+                            _mm256_add_ps(_mm256_add_ps(_mm256_loadu_ps(xr),
+                                                        _mm256_loadu_ps(xr + 8)),
+                                          _mm256_add_ps(_mm256_loadu_ps(xr + 16),
+                                                        _mm256_loadu_ps(xr + 24))));
+        }
     #pragma omp parallel num_threads(threads)
     {
         int n0, n1;
         thread_share(n, &n0, &n1);
-        switch (rows) { CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) }
+        if (type == Q4_1) {
+            ROWS(Q4_1)
+        } else if (type == Q4_0) {
+            ROWS(Q4_0)
+        } else {
+            ROWS(Q8_0)
+        }
     }
+    free(xsum);
     return 0;
 }
