@@ -73,6 +73,31 @@ def _generate(args: argparse.Namespace) -> None:
           f"({total / elapsed:.1f} tok/s)")
 
 
+def _env(args: argparse.Namespace) -> None:
+    """What this machine gets, without loading a model: the CPU tier and why, the dtype
+    ``auto`` picks, and whether the kernels build for it."""
+    import torch
+
+    from conveyor import __version__
+    from conveyor.kernels import build, isa
+    from conveyor.kernels.library import cpu_kernels, describe
+    from conveyor.model.model import can_prepack
+
+    config = EngineConfig(dtype=args.dtype, device=args.device)
+    device = config.torch_device()
+    dtype = config.torch_dtype(None, device)
+    choice = isa.current()
+    kernels = cpu_kernels(device, dtype, 64)
+    print(f"conveyor {__version__}, torch {torch.__version__}, "
+          f"{torch.get_num_threads()} threads")
+    print(f"cpu tier: {choice.describe()}")
+    print(f"device: {device.type}; dtype {str(dtype).removeprefix('torch.')} "
+          f"({config.dtype_reason(None, device)})")
+    print(f"kernels: {describe(device, dtype, 64, kernels)}; compiler "
+          f"{build.compiler() or 'none'}")
+    print(f"oneDNN bfloat16 prepacking: {'yes' if can_prepack(device, torch.bfloat16) else 'no'}")
+
+
 def _serve(args: argparse.Namespace) -> None:
     from conveyor.server.launch import serve  # uvicorn and FastAPI load only when serving
 
@@ -93,6 +118,11 @@ def main(argv: list[str] | None = None) -> None:
     gen.add_argument("--sample-seed", type=int, default=None)
     gen.add_argument("--ignore-eos", action="store_true")
     gen.set_defaults(handler=_generate)
+    env = sub.add_parser("env", help="print the CPU tier, dtype and kernels this machine gets")
+    env.add_argument("--dtype", default="auto",
+                     choices=["auto", "float32", "float", "bfloat16", "float16", "half"])
+    env.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
+    env.set_defaults(handler=_env)
     srv = sub.add_parser("serve", help="serve the OpenAI API over HTTP")
     add_engine_args(srv)
     srv.add_argument("--host", default="127.0.0.1")

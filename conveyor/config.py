@@ -80,6 +80,13 @@ class EngineConfig:
             raise ValueError("give num_kv_blocks or kv_cache_memory, not both")
         if self.kv_cache_memory is not None:
             self.kv_cache_memory = parse_memory(self.kv_cache_memory)
+        cpu = isa.current()
+        if (self.dtype == "bfloat16" and self.torch_device().type == "cpu"
+                and not cpu.native_bf16):  # refused before the model loads
+            raise ValueError(
+                f"dtype bfloat16 needs a CPU with bfloat16 arithmetic (AVX512_BF16 or AMX, or "
+                f"ARM's BF16); this one runs kernel tier {cpu.describe()}: use --dtype auto or "
+                f"float32")
 
     def torch_device(self) -> torch.device:
         if self.device is not None:
@@ -89,21 +96,14 @@ class EngineConfig:
     def torch_dtype(self, checkpoint_dtype: str | None, device: torch.device) -> torch.dtype:
         """auto: float32 for a float32 checkpoint; else on CUDA the checkpoint's half type, and on
         a CPU bfloat16 only where it computes bfloat16 natively (the avx512 and amx tiers, ARM's
-        BF16), float32 elsewhere. An explicit bfloat16 on a CPU without it is refused."""
-        cpu = isa.current()
+        BF16), float32 elsewhere."""
         if self.dtype != "auto":
-            dtype = _DTYPES[self.dtype]
-            if device.type == "cpu" and dtype == torch.bfloat16 and not cpu.native_bf16:
-                raise ValueError(
-                    f"dtype bfloat16 needs a CPU with bfloat16 arithmetic (AVX512_BF16 or AMX, "
-                    f"or ARM's BF16); this one runs kernel tier {cpu.describe()}: use --dtype "
-                    f"auto or float32")
-            return dtype
+            return _DTYPES[self.dtype]
         if checkpoint_dtype == "float32":
             return torch.float32
         if device.type == "cuda":
             return torch.float16 if checkpoint_dtype == "float16" else torch.bfloat16
-        return torch.bfloat16 if cpu.native_bf16 else torch.float32
+        return torch.bfloat16 if isa.current().native_bf16 else torch.float32
 
     def dtype_reason(self, checkpoint_dtype: str | None, device: torch.device) -> str:
         """Why ``torch_dtype`` chose what it did, for the start-up log and /version."""

@@ -1,4 +1,5 @@
-"""The `conveyor generate` command: it generates, and bad input is one line on stderr, exit 2."""
+"""The `conveyor generate` command: it generates, and bad input is one line on stderr, exit 2;
+`conveyor env` says what this machine gets."""
 
 from __future__ import annotations
 
@@ -29,3 +30,34 @@ def test_bad_input_is_one_line_and_exit_2():
     assert len(lines) == 1 and lines[0].startswith("conveyor: error:") and "/nowhere" in lines[0]
     res = run("generate", "--num-kv-blocks", "4", "--max-model-len", "4096")
     assert res.returncode == 2 and "does not fit" in res.stderr
+
+
+def test_env_says_the_tier_dtype_and_kernels():
+    from conveyor.kernels import isa
+
+    cpu = isa.current()
+    res = run("env")
+    assert res.returncode == 0, res.stderr
+    assert f"cpu tier: {cpu.describe()}" in res.stdout
+    assert f"dtype {'bfloat16' if cpu.native_bf16 else 'float32'} (auto:" in res.stdout
+    assert f"kernels: C kernels, CPU tier {cpu.tier}" in res.stdout
+    forced = subprocess.run([*CLI, "env"], capture_output=True, text=True, timeout=300,
+                            env=dict(os.environ, HF_HUB_OFFLINE="1", CONVEYOR_CPU_ISA="generic"))
+    assert "cpu tier: generic (forced by CONVEYOR_CPU_ISA=generic" in forced.stdout
+    assert "dtype float32 (auto: the CPU has no bfloat16 arithmetic)" in forced.stdout
+    off = subprocess.run([*CLI, "env"], capture_output=True, text=True, timeout=300,
+                         env=dict(os.environ, HF_HUB_OFFLINE="1", CONVEYOR_CPU_KERNELS="off"))
+    assert "kernels: plain PyTorch (CONVEYOR_CPU_KERNELS=off)" in off.stdout
+
+
+def test_without_a_working_compiler_the_pytorch_path_runs(tmp_path):
+    """No compiler (or a build error) is one warning, then plain PyTorch: never a crash."""
+    env = dict(os.environ, HF_HUB_OFFLINE="1", CC=str(tmp_path / "no-such-cc"),
+               XDG_CACHE_HOME=str(tmp_path))
+    res = subprocess.run([*CLI, "generate", "--max-tokens", "4", "--ignore-eos",
+                          "--num-kv-blocks", "64", "The capital of France is"],
+                         capture_output=True, text=True, timeout=300, env=env)
+    assert res.returncode == 0, res.stderr
+    assert "[4 tokens, finish: length]" in res.stdout
+    warnings = [line for line in res.stderr.splitlines() if "CPU kernels" in line]
+    assert len(warnings) == 1 and "running plain PyTorch" in warnings[0]

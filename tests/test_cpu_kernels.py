@@ -213,6 +213,7 @@ QTYPES = [gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q4_1,
 def test_quant_linear_reads_the_loaders_weights(tier, dtype, qtype, n, k):  # partial
     kernel = built(tier, dtype).quant_linear
     weight, dense = random_blocks(qtype, n, k)
+    weight = kernel.in_format(weight)  # float32: the file's blocks; bfloat16: scales widened
     expected = dense.to(dtype)
 
     # One-hot rows read single weights out: equal bit for bit, through every path the kernel
@@ -253,7 +254,7 @@ def test_linear_reads_blocks_only_up_to_max_rows(tier, dtype):
     linear = Linear(128, 64, bias=False).to(dtype)
     with torch.no_grad():
         linear.weight.copy_(dense)
-    linear.quantized = weight
+    linear.quantized = kernel.in_format(weight)
     spy = mock.Mock(wraps=kernel)
     spy.max_rows = min(kernel.max_rows, 16)
     linear.quant_linear = spy

@@ -88,12 +88,12 @@ def test_dtype_auto_follows_the_tier(cpu_of, flags, forced, dtype):
 def test_explicit_bfloat16_without_it_is_refused_in_one_line(cpu_of):
     cpu_of(SAPPHIRE_RAPIDS, "avx2")
     with pytest.raises(ValueError) as e:
-        EngineConfig(dtype="bfloat16").torch_dtype(None, CPU)
+        EngineConfig(dtype="bfloat16", device="cpu")
     message = str(e.value)
     assert "\n" not in message and "AVX512_BF16" in message and "avx2" in message
     assert EngineConfig(dtype="float32").torch_dtype(None, CPU) == torch.float32
     cpu_of(SAPPHIRE_RAPIDS)
-    assert EngineConfig(dtype="bfloat16").torch_dtype(None, CPU) == torch.bfloat16
+    assert EngineConfig(dtype="bfloat16", device="cpu").torch_dtype(None, CPU) == torch.bfloat16
 
 
 def test_cli_refuses_bfloat16_on_a_forced_avx2_tier_with_one_line():

@@ -11,6 +11,7 @@ import openai
 import pytest
 from server_process import ServerProcess
 
+from conveyor.kernels import isa
 from conveyor.model.gguf_file import load_gguf_tokenizer
 from conveyor.model.loader import default_model_path
 
@@ -52,7 +53,13 @@ def chat_prompt_len(tokenizer, messages) -> int:
 # -- plain endpoints ---------------------------------------------------------------------------
 def test_health_version_models_openapi(server, model):
     assert httpx.get(f"{server.base_url}/health").status_code == 200
-    assert httpx.get(f"{server.base_url}/version").json()["version"]
+    version = httpx.get(f"{server.base_url}/version").json()
+    cpu = isa.current()  # the server runs on this machine, with no tier forced
+    assert version["version"] and version["device"] == "cpu"
+    assert version["cpu_isa"] == cpu.tier and version["cpu_isa_reason"] == cpu.describe()
+    assert version["dtype"] == ("bfloat16" if cpu.native_bf16 else "float32")
+    assert version["dtype_reason"].startswith("auto:")
+    assert version["kernels"].startswith("C kernels, CPU tier " + cpu.tier)
     cards = httpx.get(f"{server.base_url}/v1/models").json()
     assert cards["object"] == "list" and cards["data"][0]["id"] == model
     assert cards["data"][0]["max_model_len"] == 1024

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from conveyor.model.gguf_file import QUANT_BLOCK_BYTES, QuantizedWeight
+from conveyor.model.gguf_file import QuantizedWeight
 
 SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
@@ -162,16 +162,22 @@ class QuantLinear:
         self._fn = entry(lib, "quant_linear", dtype,
                          [p, i64, p, i64, i32, p, p, i64, i32, i32, i32, i32], i32)
         self.amx = dtype == torch.bfloat16 and bool(lib.has_amx())
+        self.wide = dtype == torch.bfloat16  # the block format it reads (QuantizedWeight.wide)
         self.max_rows = (self.F32_ROWS if dtype == torch.float32
                          else self.AMX_ROWS if self.amx else self.FMA_ROWS)
 
+    def in_format(self, weight: QuantizedWeight) -> QuantizedWeight:
+        """The weight's blocks as this kernel reads them."""
+        return weight.widened() if self.wide else weight
+
     def __call__(self, x: torch.Tensor, weight: QuantizedWeight,
                  bias: torch.Tensor | None = None) -> torch.Tensor:
-        """x: [rows, in] (rows may be strided); bias: [out]. Returns [rows, out]."""
+        """x: [rows, in] (rows may be strided); weight: in_format's; bias: [out]. Returns
+        [rows, out]."""
         rows, k = x.shape
         n = weight.blocks.shape[0]
-        assert x.dtype == self.dtype and x.stride(1) == 1
-        assert weight.blocks.shape[1] == k // 32 * QUANT_BLOCK_BYTES[weight.ggml_type]
+        assert x.dtype == self.dtype and x.stride(1) == 1 and weight.wide == self.wide
+        assert weight.blocks.shape[1] == k // 32 * weight.block_bytes
         assert bias is None or (bias.dtype == self.dtype and bias.is_contiguous())
         y = torch.empty(rows, n, dtype=self.dtype)
         rc = self._fn(x.data_ptr(), x.stride(0), weight.blocks.data_ptr(), weight.blocks.stride(0),
@@ -236,7 +242,7 @@ class DecodeStack:
                          [p, i32, p, p, p, i32, p, p, p, p, i64, p, i32], i32)
 
         def matrix(w: QuantizedWeight) -> _Matrix:
-            assert w.blocks.is_contiguous()
+            assert w.blocks.is_contiguous() and w.wide == (dtype == torch.bfloat16)
             return _Matrix(w.blocks.data_ptr(), w.blocks.stride(0), w.ggml_type)
 
         for layer in layers:

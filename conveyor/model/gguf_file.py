@@ -37,34 +37,49 @@ _BLOCK_NAMES = {
     "ffn_up": "feed_forward.w3",
     "ffn_down": "feed_forward.w2",
 }
-# The types the CPU's small-batch linear reads: bytes per block of 32 weights in the file, and
-# how many fp16 scalars (scale, min) open each block.
+# The types the CPU's block linears read: bytes per block of 32 weights in the file, and how
+# many fp16 scalars (scale, min) open each block.
 _GGUF_BLOCKS = {
     int(gguf.GGMLQuantizationType.Q4_0): (18, 1),
     int(gguf.GGMLQuantizationType.Q4_1): (20, 2),
     int(gguf.GGMLQuantizationType.Q8_0): (34, 1),
 }
-# ... and in memory, with those scalars widened to float32 (see ``QuantizedWeight``).
-QUANT_BLOCK_BYTES = {t: size + 2 * scalars for t, (size, scalars) in _GGUF_BLOCKS.items()}
 
 
 @dataclass
 class QuantizedWeight:
-    """A weight in the GGUF's own blocks, one row of blocks per output feature, with each
-    block's fp16 scale (and min) widened to float32: exact, 2 bytes more a scalar, and the
-    kernel then loads them with a broadcast instead of converting them (~1.4x its speed)."""
+    """A weight in the GGUF's own blocks, one row of blocks per output feature: as the file
+    stores them, or (``wide``) with each block's fp16 scale (and min) widened to float32 in
+    place: exact, 2 bytes more a scalar, which the bfloat16 kernels broadcast instead of
+    converting (~1.4x their speed). The float32 kernels, bound at a decode's few rows by reading
+    the blocks, take them as stored (Q4_1: 20 bytes a block, not 24) and convert the scales."""
 
     ggml_type: int
-    blocks: torch.Tensor  # uint8 [out_features, in_features // 32 * QUANT_BLOCK_BYTES[type]]
+    blocks: torch.Tensor  # uint8 [out_features, in_features // 32 * block_bytes]
+    wide: bool = False
+
+    @property
+    def block_bytes(self) -> int:
+        size, scalars = _GGUF_BLOCKS[self.ggml_type]
+        return size + 2 * scalars if self.wide else size
 
     @classmethod
     def from_gguf(cls, ggml_type: int, blocks: np.ndarray) -> QuantizedWeight:
-        """blocks: [rows, row bytes] as the file stores them."""
-        size, scalars = _GGUF_BLOCKS[ggml_type]
-        b = blocks.reshape(blocks.shape[0], -1, size)
+        """blocks: [rows, row bytes] as the file stores them (copied: the file is mapped
+        read-only)."""
+        return cls(ggml_type, torch.from_numpy(np.array(blocks, copy=True).reshape(
+            blocks.shape[0], -1)))
+
+    def widened(self) -> QuantizedWeight:
+        """These blocks with their scalars widened to float32 (a copy; self if already)."""
+        if self.wide:
+            return self
+        size, scalars = _GGUF_BLOCKS[self.ggml_type]
+        rows = self.blocks.shape[0]
+        b = self.blocks.numpy().reshape(rows, -1, size)
         head = np.ascontiguousarray(b[..., :2 * scalars]).view(np.float16).astype(np.float32)
         widened = np.concatenate([head.view(np.uint8), b[..., 2 * scalars:]], axis=-1)
-        return cls(ggml_type, torch.from_numpy(widened.reshape(blocks.shape[0], -1)))
+        return QuantizedWeight(self.ggml_type, torch.from_numpy(widened.reshape(rows, -1)), True)
 
 
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")

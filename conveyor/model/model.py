@@ -259,10 +259,10 @@ class Transformer(nn.Module):
                 found = [quantized.get(f"layers.{i}.{part}.weight")
                          for part in FUSED.get(local, (local,))]
                 if all(found) and len({q.ggml_type for q in found}) == 1:
-                    chosen.append((module, found))
+                    chosen.append((module, [kernel.in_format(q) for q in found]))
         head = quantized.get("tok_embeddings.weight" if self.output is None else "output.weight")
         if head is not None:
-            chosen.append((None, [head]))  # None: the head
+            chosen.append((None, [kernel.in_format(head)]))  # None: the head
         # All of them in one pool on huge pages: a step reads every block once (~80 MB for
         # SmolLM2), and on them the block linears took 0.90-0.95x the time (a C harness of the
         # model's shapes, 4 KB and huge-page copies alternated).
@@ -273,7 +273,7 @@ class Transformer(nn.Module):
             rows = sum(q.blocks.shape[0] for q in found)
             blocks = pool[offset:offset + rows * found[0].blocks.shape[1]].view(rows, -1)
             torch.cat([q.blocks for q in found], out=blocks)
-            placed = QuantizedWeight(found[0].ggml_type, blocks)
+            placed = QuantizedWeight(found[0].ggml_type, blocks, found[0].wide)
             if module is None:
                 self.head_blocks, self.head_kernel = placed, kernel
             else:

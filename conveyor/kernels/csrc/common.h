@@ -9,6 +9,9 @@
 #ifdef _OPENMP
 #include <omp.h>
 #endif
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
 
 static inline float bf16_load(uint16_t x) {
     uint32_t u = (uint32_t)x << 16;
@@ -23,6 +26,33 @@ static inline uint16_t bf16_store(float f) {
     if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);  /* quiet NaN */
     u += 0x7fffu + ((u >> 16) & 1u);
     return (uint16_t)(u >> 16);
+}
+
+/* An IEEE half (a GGUF block's scale) as float32, exactly: with F16C one instruction, else
+ * by its bits. */
+static inline float half_load(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#else
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f;
+    uint32_t mant = h & 0x3ff, bits;
+    if (exp == 0x1f) {
+        bits = sign | 0x7f800000u | mant << 13;              /* inf, NaN */
+    } else if (exp != 0) {
+        bits = sign | (exp + 112) << 23 | mant << 13;        /* normal: rebias 15 -> 127 */
+    } else if (mant == 0) {
+        bits = sign;                                         /* zero */
+    } else {                                                 /* subnormal: normalise it */
+        int shift = 0;
+        while (!(mant & 0x400)) mant <<= 1, shift++;
+        bits = sign | (uint32_t)(113 - shift) << 23 | (mant & 0x3ff) << 13;
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+#endif
 }
 
 /* The plain-C kernels (generic/) serve both dtypes from one body: `bf16` is a constant in each

@@ -30,14 +30,13 @@ enum { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8 };  /* ggml's type numbers */
 #define MAX_MC 96    /* activation rows a strip's sums hold (6 KB) */
 #define AHEAD 4      /* the few-rows path asks for the blocks of the output row this far on */
 
-static inline float f32_at(const uint8_t *p) {
-    float f;
-    memcpy(&f, p, 4);
-    return f;
+/* Blocks as the file stores them: an fp16 scale (and, Q4_1, min), then the quantized values. */
+static inline int block_bytes(int type) {
+    return type == Q8_0 ? 34 : type == Q4_1 ? 20 : 18;
 }
 
-static inline int block_bytes(int type) {
-    return type == Q8_0 ? 36 : type == Q4_1 ? 24 : 20;
+static inline int values_at(int type) {
+    return type == Q4_1 ? 4 : 2;
 }
 
 static inline float hsum(__m256 v) {
@@ -56,13 +55,13 @@ static inline float hsum(__m256 v) {
 /* A block's quantized values as float32, unscaled (Q4_1: q, 0..15; Q4_0: q - 8; Q8_0: q),
  * elements 8c .. 8c + 7 in v[c]. */
 static ALWAYS_INLINE void block_values(const uint8_t *b, int type, __m256 *v) {
+    const uint8_t *qs = b + values_at(type);
     if (type == Q8_0) {
         for (int c = 0; c < 4; c++)
             v[c] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
-                _mm_loadl_epi64((const __m128i *)(b + 4 + 8 * c))));
+                _mm_loadl_epi64((const __m128i *)(qs + 8 * c))));
         return;
     }
-    const uint8_t *qs = b + (type == Q4_1 ? 8 : 4);
     const __m256i lo = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)qs));
     const __m256i hi = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(qs + 8)));
     const __m256i fifteen = _mm256_set1_epi32(15);
@@ -95,7 +94,8 @@ static ALWAYS_INLINE void rows_times_blocks(int R, int type, const float *x, int
             _mm_prefetch((const char *)b + AHEAD * row_bytes, _MM_HINT_T0);
             __m256 v[4];
             block_values(b, type, v);
-            const __m256 d = _mm256_broadcast_ss((const float *)b);
+            const __m256 d = _mm256_set1_ps(half_load(b));
+            const __m256 m = type == Q4_1 ? _mm256_set1_ps(half_load(b + 2)) : d;
             for (int r = 0; r < R; r++) {
                 const float *xr = x + r * x_stride + 32 * j;
                 __m256 s = _mm256_mul_ps(v[0], _mm256_loadu_ps(xr));
@@ -103,8 +103,7 @@ static ALWAYS_INLINE void rows_times_blocks(int R, int type, const float *x, int
                     s = _mm256_fmadd_ps(v[c], _mm256_loadu_ps(xr + 8 * c), s);
                 dacc[r][h] = _mm256_fmadd_ps(d, s, dacc[r][h]);
                 if (type == Q4_1)
-                    macc[r][h] = _mm256_fmadd_ps(_mm256_broadcast_ss((const float *)(b + 4)),
-                                                 _mm256_loadu_ps(xsum + (r * blocks + j) * 8),
+                    macc[r][h] = _mm256_fmadd_ps(m, _mm256_loadu_ps(xsum + (r * blocks + j) * 8),
                                                  macc[r][h]);
             }
         }
@@ -158,7 +157,13 @@ static inline void panel_row(float *dst, __m128i bytes, int shift, __m256 d, __m
     _mm256_store_ps(dst, v);
 }
 
-static const uint8_t ZERO_BLOCK[36];  /* stands in for outputs past n: weights 0 */
+static const uint8_t ZERO_BLOCK[34];  /* stands in for outputs past n: weights 0 */
+
+static inline short half_bits(const uint8_t *p) {
+    short h;
+    memcpy(&h, p, 2);
+    return h;
+}
 
 /* The panel [kc][NR] of output rows n0 .. n0 + NR - 1 (zero past `have` of them) and k from
  * k0 (a multiple of 32): eight outputs' blocks at a time, their quantized bytes transposed so
@@ -167,7 +172,7 @@ static const uint8_t ZERO_BLOCK[36];  /* stands in for outputs past n: weights 0
 static __attribute__((noinline)) void pack_panel(const uint8_t *w, int64_t row_bytes,
                                                  int type, int n0, int have, int k0, int kc,
                                                  float *panel) {
-    const int bb = block_bytes(type), q0 = type == Q4_1 ? 8 : 4;
+    const int bb = block_bytes(type), q0 = values_at(type);
     for (int g = 0; g < NR; g += 8) {
         for (int j = 0; j < kc / 32; j++) {
             const uint8_t *b[8];
@@ -175,13 +180,13 @@ static __attribute__((noinline)) void pack_panel(const uint8_t *w, int64_t row_b
                 b[o] = g + o < have ? w + (int64_t)(n0 + g + o) * row_bytes
                                       + (int64_t)(k0 / 32 + j) * bb
                                     : ZERO_BLOCK;
-            /* built in registers: 8 scalar stores read back as one vector would stall */
-            const __m256 d = _mm256_setr_ps(f32_at(b[0]), f32_at(b[1]), f32_at(b[2]),
-                                            f32_at(b[3]), f32_at(b[4]), f32_at(b[5]),
-                                            f32_at(b[6]), f32_at(b[7]));
-            const __m256 m = type != Q4_1 ? _mm256_setzero_ps() : _mm256_setr_ps(
-                f32_at(b[0] + 4), f32_at(b[1] + 4), f32_at(b[2] + 4), f32_at(b[3] + 4),
-                f32_at(b[4] + 4), f32_at(b[5] + 4), f32_at(b[6] + 4), f32_at(b[7] + 4));
+            /* the 8 outputs' scales (and mins) side by side, widened in one instruction */
+            const __m256 d = _mm256_cvtph_ps(_mm_setr_epi16(
+                half_bits(b[0]), half_bits(b[1]), half_bits(b[2]), half_bits(b[3]),
+                half_bits(b[4]), half_bits(b[5]), half_bits(b[6]), half_bits(b[7])));
+            const __m256 m = type != Q4_1 ? _mm256_setzero_ps() : _mm256_cvtph_ps(_mm_setr_epi16(
+                half_bits(b[0] + 2), half_bits(b[1] + 2), half_bits(b[2] + 2), half_bits(b[3] + 2),
+                half_bits(b[4] + 2), half_bits(b[5] + 2), half_bits(b[6] + 2), half_bits(b[7] + 2)));
             float *rows = panel + 32 * j * NR + g;
             for (int half = 0; half < (type == Q8_0 ? 2 : 1); half++) {
                 __m128i r[8], t[8];

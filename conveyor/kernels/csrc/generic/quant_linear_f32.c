@@ -1,5 +1,5 @@
-/* A float32 linear read straight from llama.cpp's Q4_0, Q4_1 or Q8_0 blocks (as the loader keeps
- * them: each block's fp16 scale, and min, widened to float32 in place), in plain C.
+/* A float32 linear read straight from llama.cpp's Q4_0, Q4_1 or Q8_0 blocks, as the file stores
+ * them (each block's fp16 scale, and min, then its quantized values), in plain C.
  *
  * Each weight is dequantized exactly as the loader does (float32 d * q, + m: two roundings; the
  * build does not contract them into a fused multiply-add), so these are the float32 model's
@@ -15,27 +15,21 @@
 
 enum { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8 };  /* ggml's type numbers */
 
-static inline float f32_at(const uint8_t *p) {
-    float f;
-    memcpy(&f, p, 4);
-    return f;
-}
-
 static inline int block_bytes(int type) {
-    return type == Q8_0 ? 36 : type == Q4_1 ? 24 : 20;
+    return type == Q8_0 ? 34 : type == Q4_1 ? 20 : 18;
 }
 
 /* One block's 32 weights, as the loader computes them. Element j of a 4-bit block is the low
  * nibble of byte j, element j + 16 its high nibble. */
 static inline void dequant_block(const uint8_t *b, int type, float *w) {
-    const float d = f32_at(b);
+    const float d = half_load(b);
     if (type == Q8_0) {
-        for (int j = 0; j < 32; j++) w[j] = d * (float)(int8_t)b[4 + j];
+        for (int j = 0; j < 32; j++) w[j] = d * (float)(int8_t)b[2 + j];
         return;
     }
-    const uint8_t *q = b + (type == Q4_1 ? 8 : 4);
+    const uint8_t *q = b + (type == Q4_1 ? 4 : 2);
     if (type == Q4_1) {
-        const float m = f32_at(b + 4);
+        const float m = half_load(b + 2);
         for (int j = 0; j < 16; j++) {
             w[j] = d * (float)(q[j] & 15) + m;
             w[j + 16] = d * (float)(q[j] >> 4) + m;
