@@ -338,8 +338,8 @@ def test_prompt_tokens_as_queries_match_sdpa(monkeypatch, default_gguf_path, nat
                "def fibonacci(n):", "Water boils at a temperature of"]
     params = SamplingParams(temperature=0, max_tokens=1, logprobs=3)
     outputs = {}
-    for mode, work in (("queries", runner.UNIFIED_CHUNK_WORK), ("sdpa", 0)):
-        monkeypatch.setattr(runner, "UNIFIED_CHUNK_WORK", work)
+    for mode, work in (("queries", runner.UNIFIED_CHUNK_WORK[native_dtype]), ("sdpa", 0)):
+        monkeypatch.setattr(runner, "UNIFIED_CHUNK_WORK", {native_dtype: work})
         with_prefills.clear()
         outputs[mode] = llm.generate(prompts, params, use_tqdm=False)
         assert with_prefills == [mode == "sdpa"]

@@ -239,7 +239,7 @@ class DecodeStack:
         self.dtype = dtype
         self.max_rows = max_rows
         self._fn = entry(lib, "decode_stack", dtype,
-                         [p, i32, p, p, p, i32, p, p, p, p, i64, p, i32], i32)
+                         [p, i32, p, p, p, i32, p, p, p, p, i64, p, p, i32], i32)
 
         def matrix(w: QuantizedWeight) -> _Matrix:
             assert w.blocks.is_contiguous() and w.wide == (dtype == torch.bfloat16)
@@ -256,6 +256,11 @@ class DecodeStack:
         self.hidden = layers[0].attention_norm.shape[0]
         self._shape = _Shape(self.hidden, heads, kv_heads, head_dim, intermediate,
                              layers[0].k_cache.shape[1], eps, head_dim ** -0.5)
+        # a row's activations between the kernels (decode_stack.c); kept across steps, grown
+        # as rows grow
+        self._row_width = (2 * self.hidden + (2 * heads + 2 * kv_heads) * head_dim
+                           + 2 * intermediate)
+        self._scratch = torch.empty(0, dtype=dtype)
 
     def __call__(self, h: torch.Tensor, residual: torch.Tensor, cos: torch.Tensor,
                  sin: torch.Tensor, slots: torch.Tensor, block_tables: torch.Tensor,
@@ -270,9 +275,11 @@ class DecodeStack:
         assert sin.is_contiguous() and slots.dtype == torch.int64 and slots.is_contiguous()
         assert block_tables.dtype == context_lens.dtype == torch.int32
         assert block_tables.stride(1) == 1 and context_lens.is_contiguous()
+        if self._scratch.numel() < rows * self._row_width:
+            self._scratch = torch.empty(rows * self._row_width, dtype=self.dtype)
         rc = self._fn(self._layers, len(self._keep), ctypes.byref(self._shape), h.data_ptr(),
                       residual.data_ptr(), rows, cos.data_ptr(), sin.data_ptr(),
                       slots.data_ptr(), block_tables.data_ptr(), block_tables.stride(0),
-                      context_lens.data_ptr(), torch.get_num_threads())
+                      context_lens.data_ptr(), self._scratch.data_ptr(), torch.get_num_threads())
         if rc != 0:
             raise RuntimeError(f"decode_stack failed ({rc})")

@@ -17,11 +17,13 @@ from conveyor.model.sampler import SampleResult, Sampler, first_max
 
 
 # A chunk's tokens go through the decode kernel as queries of their own (see ModelRunner._prepare)
-# while their attention work, the contexts its tokens read, is at most a 256-token prompt's.
-# Each query reads its whole context, where SDPA reads a block of queries' context once: alone, a
-# prompt's prefill step took 0.7x the time at 40 tokens, 0.8-0.95x at 140, 1.0-1.15x at 300 and
-# 1.25-1.4x at 500 (alternated runs).
-UNIFIED_CHUNK_WORK = 256 * 257 // 2
+# while their attention work, the contexts its tokens read, is at most this (in the model's
+# dtype). Each query reads its whole context, where SDPA reads a block of queries' context once;
+# but the step is then one decode-stack call. bfloat16 (AVX-512/AMX): alone, a prompt's prefill
+# step took 0.7x the time at 40 tokens, 0.8-0.95x at 140, 1.0-1.15x at 300 and 1.25-1.4x at 500;
+# float32 (AVX2): 0.89-0.92x from 40 to 500 tokens, alone or beside 31 decodes, 1.05x at 1000
+# (alternated runs).
+UNIFIED_CHUNK_WORK = {torch.bfloat16: 256 * 257 // 2, torch.float32: 512 * 513 // 2}
 
 # A decode group is cut where a context needs this many times the pages of the group's shortest
 # (so padding at most doubles a group's attention work), once the group has MIN_DECODE_GROUP.
@@ -105,8 +107,8 @@ class ModelRunner:
         # time).
         unified = (stack is not None and chunks
                    and len(decodes) + sum(n for _, n in chunks) <= stack.max_rows
-                   and all(n * (2 * r.num_computed_tokens + n + 1) // 2 <= UNIFIED_CHUNK_WORK
-                           for r, n in chunks))
+                   and all(n * (2 * r.num_computed_tokens + n + 1) // 2
+                           <= UNIFIED_CHUNK_WORK.get(self.dtype, 0) for r, n in chunks))
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []

@@ -8,7 +8,6 @@
  * kernels that path calls one by one. The same at every tier; the kernels are the tier's.
  */
 #include <stdint.h>
-#include <stdlib.h>
 #include <string.h>
 
 #include "common.h"
@@ -58,18 +57,20 @@ typedef struct {
 
 /* h: [rows, hidden], the embeddings in, the last layer's output out; residual: [rows, hidden],
  * the stream before that output (as TransformerBlock returns them). cos, sin: [rows, dim];
- * slots: [rows]; block_tables: [rows, table_stride]; context_lens: [rows]. Returns 0, or the
- * first failing kernel's code. */
+ * slots: [rows]; block_tables: [rows, table_stride]; context_lens: [rows]; scratch: rows x
+ * (2 hidden + q + 2 kv + q + 2 intermediate) elements (the caller keeps it: a fresh one a
+ * step of 2048 rows is 47 MB of pages to fault in). Returns 0, or the first failing kernel's
+ * code. */
 static ALWAYS_INLINE int decode_stack(const Layer *layers, int num_layers, const Shape *s,
                                       void *h, void *residual, int rows, const void *cos,
                                       const void *sin, const int64_t *slots,
                                       const int32_t *block_tables, int64_t table_stride,
-                                      const int32_t *context_lens, int threads, int bf16) {
+                                      const int32_t *context_lens, void *scratch, int threads,
+                                      int bf16) {
     const int hid = s->hidden, q = s->heads * s->dim, kv = s->kv_heads * s->dim;
     const int qkv = q + 2 * kv, inter = s->intermediate;
     const size_t elem = bf16 ? 2 : 4;
-    char *x = malloc(elem * rows * (hid + qkv + q + hid + 2 * inter));
-    if (x == NULL) return -2;
+    char *x = scratch;
     char *t_qkv = x + elem * rows * hid, *o = t_qkv + elem * rows * qkv, *a = o + elem * rows * q;
     char *gu = a + elem * rows * hid;
     int rc = 0;
@@ -98,7 +99,6 @@ static ALWAYS_INLINE int decode_stack(const Layer *layers, int num_layers, const
         rc = BY_DTYPE(quant_linear, gu, 2 * inter, l->w2.blocks, l->w2.row_bytes, l->w2.type,
                       NULL, h, hid, rows, hid, inter, threads);
     }
-    free(x);
     return rc;
 }
 
@@ -106,9 +106,9 @@ static ALWAYS_INLINE int decode_stack(const Layer *layers, int num_layers, const
 int decode_stack_##T(const Layer *layers, int num_layers, const Shape *s, void *h, \
                      void *residual, int rows, const void *cos, const void *sin, \
                      const int64_t *slots, const int32_t *block_tables, int64_t table_stride, \
-                     const int32_t *context_lens, int threads) { \
+                     const int32_t *context_lens, void *scratch, int threads) { \
     return decode_stack(layers, num_layers, s, h, residual, rows, cos, sin, slots, block_tables, \
-                        table_stride, context_lens, threads, BF16); \
+                        table_stride, context_lens, scratch, threads, BF16); \
 }
 ENTRY(f32, 0)
 #if CONVEYOR_AVX512_BF16

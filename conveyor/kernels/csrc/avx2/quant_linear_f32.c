@@ -185,8 +185,9 @@ static __attribute__((noinline)) void pack_panel(const uint8_t *w, int64_t row_b
                 half_bits(b[0]), half_bits(b[1]), half_bits(b[2]), half_bits(b[3]),
                 half_bits(b[4]), half_bits(b[5]), half_bits(b[6]), half_bits(b[7])));
             const __m256 m = type != Q4_1 ? _mm256_setzero_ps() : _mm256_cvtph_ps(_mm_setr_epi16(
-                half_bits(b[0] + 2), half_bits(b[1] + 2), half_bits(b[2] + 2), half_bits(b[3] + 2),
-                half_bits(b[4] + 2), half_bits(b[5] + 2), half_bits(b[6] + 2), half_bits(b[7] + 2)));
+                half_bits(b[0] + 2), half_bits(b[1] + 2), half_bits(b[2] + 2),
+                half_bits(b[3] + 2), half_bits(b[4] + 2), half_bits(b[5] + 2),
+                half_bits(b[6] + 2), half_bits(b[7] + 2)));
             float *rows = panel + 32 * j * NR + g;
             for (int half = 0; half < (type == Q8_0 ? 2 : 1); half++) {
                 __m128i r[8], t[8];

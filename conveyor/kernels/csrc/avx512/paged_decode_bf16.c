@@ -14,8 +14,9 @@
  * for every query head of the group. The rows still to come are prefetched a few lines at a time
  * between the products, since at large batches reading the cache is what bounds the kernel.
  *
- * The avx512 and amx tiers only (AVX-512 F and BF16); float32 models use paged_decode_f32.c. OpenMP shares the work out on the runtime PyTorch has already
- * loaded into the process (libgomp.so.1), with PyTorch's thread count.
+ * The avx512 and amx tiers only (AVX-512 F and BF16); float32 models use paged_decode_f32.c.
+ * OpenMP shares the work out on the runtime PyTorch has already loaded into the process
+ * (libgomp.so.1), with PyTorch's thread count.
  */
 #include <stdint.h>
 #include <stdlib.h>

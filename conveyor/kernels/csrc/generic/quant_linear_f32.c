@@ -57,7 +57,8 @@ int quant_linear_f32(const float *x, int64_t x_stride, const uint8_t *w, int64_t
         thread_share(n, &n0, &n1);
         for (int o = n0; o < n1; o++) {
             const uint8_t *row = w + (int64_t)o * row_bytes;
-            for (int j = 0; j < blocks; j++) dequant_block(row + (int64_t)j * bb, type, wr + 32 * j);
+            for (int j = 0; j < blocks; j++)
+                dequant_block(row + (int64_t)j * bb, type, wr + 32 * j);
             const float b = bias != NULL ? bias[o] : 0.0f;
             for (int r = 0; r < rows; r++) {
                 const float *xr = x + r * x_stride;
