@@ -167,7 +167,7 @@ def main() -> None:
     forward_spent: dict[str, float] = defaultdict(float)
     clock(model, "forward", forward_spent, "network")
 
-    totals, rounds = [], []
+    totals, rounds, peaks = [], [], []
     num_rounds = min(args.rounds, args.steps)  # every round times at least one step
     for r in range(num_rounds):
         times = []
@@ -176,7 +176,9 @@ def main() -> None:
             engine.step()
             times.append(time.perf_counter() - t)
         totals += times
-        rounds.append((statistics.median(times), linear_rates(gflop, calls, repeats=5)))
+        rates = linear_rates(gflop, calls, repeats=5)
+        peaks.append(fma_peak(torch.get_num_threads()))  # beside the linears: the same minute
+        rounds.append((statistics.median(times), rates))
     step = sum(totals)
     spent["network: norms, rope + KV write, residuals, the rest"] = (
         forward_spent["network"] - spent["linears (layers)"]
@@ -196,9 +198,8 @@ def main() -> None:
     print(f"  scheduler + input preparation + sampling: {overhead / step:.1%} of the step")
     print(f"linear FLOPs per step {gflop:.1f} GFLOP; each round: the median step, the model's "
           f"linears alone at M={args.batch} right after it, and the step's share of the best")
-    peak = fma_peak(torch.get_num_threads())
     shares, dense_shares, peak_shares = [], [], []
-    for i, (median, rates) in enumerate(rounds):
+    for i, ((median, rates), peak) in enumerate(zip(rounds, peaks)):
         achieved = gflop / median
         shares.append(achieved / max(rates.values()))
         dense = [rates[k] for k in DENSE_WEIGHTS if k in rates]
@@ -209,21 +210,23 @@ def main() -> None:
         alone = ", ".join(f"{k} {v:.0f}" for k, v in rates.items())
         print(f"  round {i + 1}: step {median * 1e3:.1f} ms = {achieved:.0f} GFLOP/s; linears "
               f"alone: {alone} GFLOP/s; {shares[-1]:.0%} of the best"
-              + (f", {dense_shares[-1]:.0%} of the best with dense weights" if dense else ""))
+              + (f", {dense_shares[-1]:.0%} of the best with dense weights" if dense else "")
+              + (f"; FMA peak {peak:.0f} GFLOP/s" if peak else ""))
     print(f"the whole step reaches {statistics.median(shares):.0%} of the best linear rate"
           + (f", {statistics.median(dense_shares):.0%} of the best with dense {args.dtype} "
              f"weights (plain or prepacked; the GGUF blocks are 4-bit weights widened as they "
              f"are read)" if dense_shares else "") + f", medians of {len(shares)} rounds")
-    if peak:
+    if all(peaks):
         print(f"FMA peak of this machine (tier {isa.current().tier}: float32 multiply-adds at its "
-              f"vector width, {torch.get_num_threads()} threads): {peak:.0f} GFLOP/s")
+              f"vector width, {torch.get_num_threads()} threads, measured each round): median "
+              f"{statistics.median(peaks):.0f} GFLOP/s")
         if peak_shares:
             blocks = statistics.median(r["GGUF blocks"] for _, r in rounds)
-            print(f"  the block linears alone at M={args.batch}: {blocks:.0f} GFLOP/s = "
-                  f"{statistics.median(peak_shares):.0%} of the peak (median of rounds)")
-        step_rate = statistics.median(gflop / median for median, _ in rounds)
-        print(f"  the whole step's linear FLOPs: {step_rate:.0f} GFLOP/s = "
-              f"{step_rate / peak:.0%} of the peak")
+            print(f"  the block linears alone at M={args.batch}: {blocks:.0f} GFLOP/s, "
+                  f"{statistics.median(peak_shares):.0%} of the round's peak (median of rounds)")
+        step_shares = [gflop / median / peak for (median, _), peak in zip(rounds, peaks)]
+        print(f"  the whole step's linear FLOPs: {statistics.median(step_shares):.0%} of the "
+              f"round's peak")
     if args.torch_profile:
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
             for _ in range(5):

@@ -5,11 +5,13 @@
  * longest context. Scores, softmax and the weighted sum of values are float32, as PyTorch's
  * float32 SDPA; only the order of the sums (and exp's last bit) differs.
  *
- * A work item is one request's KV head with its group of query heads. Scores go 8 tokens at a
- * time: for each query head, 8 chains of FMAs over the head dimension (one per token, so the
- * FMA units' latency is covered), then summed across lanes together (one transpose-and-add for
- * all 8). The weighted sum of values keeps a query head's output in registers, 8 dimensions a
- * vector, while the tokens stream past. head_dim: any multiple of 8 up to 256.
+ * A work item is a request's KV heads (with few requests, one KV head), each with its group of
+ * query heads. Scores go 8 tokens at a time: for each query head, 8 chains of FMAs over the head
+ * dimension (one per token, so the FMA units' latency is covered), then summed across lanes
+ * together (one transpose-and-add for all 8). The weighted sum of values keeps a query head's
+ * output in registers, 8 dimensions a vector, while the tokens stream past. Whole requests a
+ * item read each token's row front to back (SmolLM2, 32 requests of 300 tokens: 0.81-0.88x
+ * the time of an item a KV head). head_dim: any multiple of 8 up to 256.
  */
 #include <float.h>
 #include <immintrin.h>
@@ -56,16 +58,17 @@ static inline void prefetch_row(const float *r, int lines) {
     for (int i = 0; i < lines; i++) _mm_prefetch((const char *)r + 64 * i, _MM_HINT_T0);
 }
 
-/* One request and one KV head (the caches offset to it), with its `group` query heads at q:
- * scores against every cached token, softmax, weighted sum of values into out. at: each
- * token's row offset in either cache (elements; see paged_decode_attention_f32); scores:
- * [group][len rounded up to TILE] of scratch; zero: a row of zeros past len. */
+/* One request and `heads` consecutive KV heads (the caches offset to the first; their slices of
+ * a token's row are adjacent, so rows are read front to back), each with its `group` query
+ * heads at q: scores against every cached token, softmax, weighted sum of values into out.
+ * at: each token's row offset in either cache (elements; see paged_decode_attention_f32);
+ * scores: [heads * group][len rounded up to TILE] of scratch; zero: a row of zeros past len. */
 static ALWAYS_INLINE void attend(const float *q, const float *k_cache, const float *v_cache,
-                                  const int64_t *at, int len, float *out, int group,
+                                  const int64_t *at, int len, float *out, int heads, int group,
                                   const int dim, float scale, const float *zero,
                                   float *scores) {
-    const int nv = dim / 8, padded = (len + TILE - 1) / TILE * TILE;
-    const int lines = (dim * 4 + 63) / 64;  /* of a token's row of this head */
+    const int nv = dim / 8, nq = heads * group, padded = (len + TILE - 1) / TILE * TILE;
+    const int lines = (heads * dim * 4 + 63) / 64;  /* of a token's row of these heads */
     const __m256 vscale = _mm256_set1_ps(scale);
     /* pages lie anywhere in the pool: rows are asked for by hand AHEAD tiles before the
      * products read them (K's; past the end, V's first ones, as the next pass reads them) */
@@ -78,20 +81,24 @@ static ALWAYS_INLINE void attend(const float *q, const float *k_cache, const flo
                 prefetch_row(k_cache + at[t], lines);
             else if (t - len < AHEAD * TILE)
                 prefetch_row(v_cache + at[t - len], lines);
-        for (int g = 0; g < group; g++) {
-            const float *qg = q + g * dim;
+        for (int j = 0; j < nq; j++) {  /* query head j reads KV head j / group */
+            /* the tile's K rows are read again each head, from L1: without this barrier GCC
+             * hoists all the loads out of the loop and spills them to the stack */
+            __asm__ volatile("" ::: "memory");
+            const float *qj = q + j * dim;
+            const int kd = j / group * dim;
             __m256 acc[TILE];
             for (int t = 0; t < TILE; t++) acc[t] = _mm256_setzero_ps();
             for (int v = 0; v < nv; v++) {
-                const __m256 qv = _mm256_loadu_ps(qg + 8 * v);
+                const __m256 qv = _mm256_loadu_ps(qj + 8 * v);
                 for (int t = 0; t < TILE; t++)
-                    acc[t] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[t] + 8 * v), acc[t]);
+                    acc[t] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[t] + kd + 8 * v), acc[t]);
             }
-            _mm256_storeu_ps(scores + g * padded + t0, _mm256_mul_ps(sum8(acc), vscale));
+            _mm256_storeu_ps(scores + j * padded + t0, _mm256_mul_ps(sum8(acc), vscale));
         }
     }
-    for (int g = 0; g < group; g++) {
-        float *s = scores + g * padded, top = -FLT_MAX;
+    for (int j = 0; j < nq; j++) {
+        float *s = scores + j * padded, top = -FLT_MAX;
         for (int t = 0; t < len; t++) top = s[t] > top ? s[t] : top;
         const __m256 vtop = _mm256_set1_ps(top);
         __m256 total = _mm256_setzero_ps();
@@ -109,20 +116,21 @@ static ALWAYS_INLINE void attend(const float *q, const float *k_cache, const flo
         const __m128 h2 = _mm_add_ps(h, _mm_movehl_ps(h, h));
         const __m256 inv = _mm256_set1_ps(1.0f / _mm_cvtss_f32(_mm_add_ss(h2,
                                                                           _mm_movehdup_ps(h2))));
+        const float *vh = v_cache + j / group * dim;
         for (int v0 = 0; v0 < nv; v0 += MAXV) {  /* dimensions 8 v0 .. in registers */
             const int nc = nv - v0 < MAXV ? nv - v0 : MAXV;
             __m256 acc[MAXV];
             for (int v = 0; v < nc; v++) acc[v] = _mm256_setzero_ps();
             for (int t = 0; t < len; t++) {
-                const float *vr = v_cache + at[t] + 8 * v0;
-                if (g == 0 && v0 == 0 && t + AHEAD * TILE < len)
+                const float *vr = vh + at[t] + 8 * v0;
+                if (j == 0 && v0 == 0 && t + AHEAD * TILE < len)  /* the whole row, once */
                     prefetch_row(v_cache + at[t + AHEAD * TILE], lines);
                 const __m256 p = _mm256_broadcast_ss(s + t);
                 for (int v = 0; v < nc; v++)
                     acc[v] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vr + 8 * v), acc[v]);
             }
             for (int v = 0; v < nc; v++)
-                _mm256_storeu_ps(out + g * dim + 8 * (v0 + v), _mm256_mul_ps(acc[v], inv));
+                _mm256_storeu_ps(out + j * dim + 8 * (v0 + v), _mm256_mul_ps(acc[v], inv));
         }
     }
 }
@@ -142,21 +150,26 @@ int paged_decode_attention_f32(const float *q, int64_t q_stride, const float *k_
     int longest = 1, failed = 0;
     for (int i = 0; i < n; i++) longest = context_lens[i] > longest ? context_lens[i] : longest;
     const size_t padded = (size_t)(longest + TILE - 1) / TILE * TILE;
-    float zero[256] = {0};
+    /* Work items: a request's KV heads in `split` parts. Whole requests when there are enough of
+     * them to go round the threads (each row is then read front to back); with few requests,
+     * one KV head per item instead. */
+    const int split = n >= 2 * threads ? 1 : num_kv_heads, per = num_kv_heads / split;
+    float zero[256 * 8] = {0};  /* a row of up to 8 KV heads of 256 */
+    if ((int64_t)per * head_dim > 256 * 8) return -1;
     #pragma omp parallel num_threads(threads)
     {
         /* a request's row offsets (the same in K and V), then one item's scores */
-        int64_t *at = malloc(sizeof(int64_t) * padded + sizeof(float) * group * padded);
+        int64_t *at = malloc(sizeof(int64_t) * padded + sizeof(float) * per * group * padded);
         float *scores = (float *)(at + padded);
         int have = -1;  /* the request whose offsets `at` holds */
         #pragma omp for schedule(dynamic, 1)
-        for (int item = 0; item < n * num_kv_heads; item++) {
+        for (int item = 0; item < n * split; item++) {
             if (at == NULL) {
                 #pragma omp atomic write
                 failed = 1;
                 continue;
             }
-            const int i = item / num_kv_heads, h = item % num_kv_heads;
+            const int i = item / split, h = item % split * per;
             const int32_t *table = block_tables + i * table_stride;
             if (have != i) {  /* stepped along the pages: no division a token */
                 for (int t = 0, page = 0, slot = 0; t < context_lens[i]; t++) {
@@ -171,11 +184,12 @@ int paged_decode_attention_f32(const float *q, int64_t q_stride, const float *k_
             /* the common head sizes as constants, so the loops over a row unroll into
              * registers (a runtime size left the sums in memory: ~5x the time) */
             if (head_dim == 64)
-                attend(qi, ki, vi, at, context_lens[i], oi, group, 64, scale, zero, scores);
+                attend(qi, ki, vi, at, context_lens[i], oi, per, group, 64, scale, zero, scores);
             else if (head_dim == 128)
-                attend(qi, ki, vi, at, context_lens[i], oi, group, 128, scale, zero, scores);
+                attend(qi, ki, vi, at, context_lens[i], oi, per, group, 128, scale, zero,
+                       scores);
             else
-                attend(qi, ki, vi, at, context_lens[i], oi, group, head_dim, scale, zero,
+                attend(qi, ki, vi, at, context_lens[i], oi, per, group, head_dim, scale, zero,
                        scores);
         }
         free(at);
