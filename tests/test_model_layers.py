@@ -8,8 +8,10 @@ import torch.nn.functional as F
 
 from conveyor.model.model import Linear, can_prepack
 
-pytestmark = pytest.mark.skipif(not can_prepack(torch.device("cpu"), torch.bfloat16),
-                                reason="no oneDNN in this PyTorch build")
+pytestmark = pytest.mark.skipif(
+    not can_prepack(torch.device("cpu"), torch.bfloat16),
+    reason="oneDNN's bfloat16 prepacking needs a CPU tier with bfloat16 arithmetic (avx512, amx) "
+           "and oneDNN in this PyTorch build")
 
 
 @pytest.mark.parametrize("bias", [False, True])
