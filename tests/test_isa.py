@@ -113,3 +113,11 @@ def test_a_tier_builds_the_highest_file_of_each_name():
     assert {p.parent.name for p in build.tier_sources("generic")} <= {"generic", "csrc"}
     assert dict((p.name, p.parent.name) for p in build.tier_sources("amx"))[
         "quant_linear_bf16.c"] == "avx512"
+
+
+def test_head_dims_the_vectorised_attention_cannot_take_fall_back_with_a_reason():
+    from conveyor.kernels.library import unavailable
+    assert unavailable(torch.float32, 64, "avx2") is None
+    assert "head_dim" in unavailable(torch.float32, 260, "avx2")
+    assert "head_dim" in unavailable(torch.float32, 36, "avx512")
+    assert unavailable(torch.float32, 36, "generic") is None  # the plain-C loop takes any

@@ -72,6 +72,9 @@ def unavailable(dtype: torch.dtype, head_dim: int, tier: str) -> str | None:
         return None
     if dtype != torch.float32:
         return f"no CPU kernels for {dtype}"
+    if tier != "generic" and (head_dim % 8 or head_dim > 256):
+        return ("the vectorised float32 decode attention takes head_dim a multiple of 8 up to 256, "
+                f"not {head_dim}")
     return None
 
 

@@ -9,8 +9,15 @@
 #ifdef _OPENMP
 #include <omp.h>
 #endif
-#if defined(__F16C__)
+#if defined(__AVX__)
 #include <immintrin.h>
+
+/* The sum of a vector's 8 float32 lanes. */
+static inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
 #endif
 
 static inline float bf16_load(uint16_t x) {
@@ -53,6 +60,19 @@ static inline float half_load(const uint8_t *p) {
     memcpy(&f, &bits, 4);
     return f;
 #endif
+}
+
+/* GGUF block types the block linears read (ggml's numbers), and their blocks as the file stores
+ * them: an fp16 scale (Q4_1: and an fp16 min), then the quantized values (the float32 kernels'
+ * format; the bfloat16 ones read them with the scalars widened, see QuantizedWeight.wide). */
+enum { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8 };
+
+static inline int stored_block_bytes(int type) {
+    return type == Q8_0 ? 34 : type == Q4_1 ? 20 : 18;
+}
+
+static inline int stored_values_at(int type) {
+    return type == Q4_1 ? 4 : 2;
 }
 
 /* The plain-C kernels (generic/) serve both dtypes from one body: `bf16` is a constant in each

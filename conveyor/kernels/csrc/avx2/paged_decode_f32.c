@@ -24,6 +24,7 @@
 #define TILE 8
 #define MAXV 8  /* vectors of a query head held in registers at once (64 dimensions) */
 #define AHEAD 2 /* tiles of rows asked for ahead of the products */
+#define ZERO_ROW 2048  /* floats of the longest row a whole-request item reads (8 KV heads x 256) */
 
 /* exp(x) for x <= 0 (softmax's x - max): exp2 of the integer part by exponent bits, a degree-5
  * polynomial for the rest (Cephes' coefficients; within 2 float32 steps of expf). */
@@ -111,11 +112,7 @@ static ALWAYS_INLINE void attend(const float *q, const float *k_cache, const flo
             _mm256_storeu_ps(s + t, p);
             total = _mm256_add_ps(total, p);
         }
-        const __m128 h = _mm_add_ps(_mm256_castps256_ps128(total),
-                                    _mm256_extractf128_ps(total, 1));
-        const __m128 h2 = _mm_add_ps(h, _mm_movehl_ps(h, h));
-        const __m256 inv = _mm256_set1_ps(1.0f / _mm_cvtss_f32(_mm_add_ss(h2,
-                                                                          _mm_movehdup_ps(h2))));
+        const __m256 inv = _mm256_set1_ps(1.0f / hsum8(total));
         const float *vh = v_cache + j / group * dim;
         for (int v0 = 0; v0 < nv; v0 += MAXV) {  /* dimensions 8 v0 .. in registers */
             const int nc = nv - v0 < MAXV ? nv - v0 : MAXV;
@@ -153,9 +150,9 @@ int paged_decode_attention_f32(const float *q, int64_t q_stride, const float *k_
     /* Work items: a request's KV heads in `split` parts. Whole requests when there are enough of
      * them to go round the threads (each row is then read front to back); with few requests,
      * one KV head per item instead. */
-    const int split = n >= 2 * threads ? 1 : num_kv_heads, per = num_kv_heads / split;
-    float zero[256 * 8] = {0};  /* a row of up to 8 KV heads of 256 */
-    if ((int64_t)per * head_dim > 256 * 8) return -1;
+    float zero[ZERO_ROW] = {0};  /* the rows past a context's end: up to ZERO_ROW floats */
+    const int split = n >= 2 * threads && row <= ZERO_ROW ? 1 : num_kv_heads;
+    const int per = num_kv_heads / split;
     #pragma omp parallel num_threads(threads)
     {
         /* a request's row offsets (the same in K and V), then one item's scores */

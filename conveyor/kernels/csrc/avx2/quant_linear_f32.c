@@ -22,7 +22,6 @@
 
 #include "common.h"
 
-enum { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8 };  /* ggml's type numbers */
 #define FEW_ROWS 6   /* the register path's most rows */
 #define MR 6         /* activation rows of a register tile (12 accumulators) */
 #define NR 16        /* output rows of a strip: two vectors */
@@ -30,20 +29,6 @@ enum { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8 };  /* ggml's type numbers */
 #define MAX_MC 96    /* activation rows a strip's sums hold (6 KB) */
 #define AHEAD 4      /* the few-rows path asks for the blocks of the output row this far on */
 
-/* Blocks as the file stores them: an fp16 scale (and, Q4_1, min), then the quantized values. */
-static inline int block_bytes(int type) {
-    return type == Q8_0 ? 34 : type == Q4_1 ? 20 : 18;
-}
-
-static inline int values_at(int type) {
-    return type == Q4_1 ? 4 : 2;
-}
-
-static inline float hsum(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-}
 
 /* ---- A few rows: each output row's blocks multiplied in registers, scales factored out. ----
  * y = sum over blocks j of d_j * (x . q_j) (+ m_j * (the sum of x over block j), Q4_1): the
@@ -55,7 +40,7 @@ static inline float hsum(__m256 v) {
 /* A block's quantized values as float32, unscaled (Q4_1: q, 0..15; Q4_0: q - 8; Q8_0: q),
  * elements 8c .. 8c + 7 in v[c]. */
 static ALWAYS_INLINE void block_values(const uint8_t *b, int type, __m256 *v) {
-    const uint8_t *qs = b + values_at(type);
+    const uint8_t *qs = b + stored_values_at(type);
     if (type == Q8_0) {
         for (int c = 0; c < 4; c++)
             v[c] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
@@ -81,7 +66,7 @@ static ALWAYS_INLINE void rows_times_blocks(int R, int type, const float *x, int
                                             int k, const float *xsum, const uint8_t *w,
                                             int64_t row_bytes, const float *bias, float *y,
                                             int64_t y_stride, int n0, int n1) {
-    const int bb = block_bytes(type), blocks = k / 32, chains = R == 1 ? 2 : 1;
+    const int bb = stored_block_bytes(type), blocks = k / 32, chains = R == 1 ? 2 : 1;
     for (int n = n0; n < n1; n++) {
         const uint8_t *row = w + (int64_t)n * row_bytes;
         __m256 dacc[FEW_ROWS][2], macc[FEW_ROWS][2];
@@ -114,7 +99,7 @@ static ALWAYS_INLINE void rows_times_blocks(int R, int type, const float *x, int
                 dsum = _mm256_add_ps(dsum, dacc[r][1]);
                 msum = _mm256_add_ps(msum, macc[r][1]);
             }
-            y[r * y_stride + n] = hsum(dsum) + hsum(msum) + bv;
+            y[r * y_stride + n] = hsum8(dsum) + hsum8(msum) + bv;
         }
     }
 }
@@ -172,7 +157,7 @@ static inline short half_bits(const uint8_t *p) {
 static __attribute__((noinline)) void pack_panel(const uint8_t *w, int64_t row_bytes,
                                                  int type, int n0, int have, int k0, int kc,
                                                  float *panel) {
-    const int bb = block_bytes(type), q0 = values_at(type);
+    const int bb = stored_block_bytes(type), q0 = stored_values_at(type);
     for (int g = 0; g < NR; g += 8) {
         for (int j = 0; j < kc / 32; j++) {
             const uint8_t *b[8];

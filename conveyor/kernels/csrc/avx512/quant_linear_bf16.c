@@ -26,7 +26,6 @@
 
 int has_amx(void);
 
-enum { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8 };  /* ggml's type numbers */
 #define MAX_ROWS 8
 /* Up to this many rows the FMA kernel runs even where AMX is on: at 1 row the two tie (all of
  * SmolLM2's linears, alternated runs) and the FMA kernel won in the decode stack; from 2 rows

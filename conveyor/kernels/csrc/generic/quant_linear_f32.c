@@ -13,21 +13,15 @@
 
 #include "common.h"
 
-enum { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8 };  /* ggml's type numbers */
-
-static inline int block_bytes(int type) {
-    return type == Q8_0 ? 34 : type == Q4_1 ? 20 : 18;
-}
-
 /* One block's 32 weights, as the loader computes them. Element j of a 4-bit block is the low
  * nibble of byte j, element j + 16 its high nibble. */
 static inline void dequant_block(const uint8_t *b, int type, float *w) {
     const float d = half_load(b);
     if (type == Q8_0) {
-        for (int j = 0; j < 32; j++) w[j] = d * (float)(int8_t)b[2 + j];
+        for (int j = 0; j < 32; j++) w[j] = d * (float)(int8_t)b[stored_values_at(type) + j];
         return;
     }
-    const uint8_t *q = b + (type == Q4_1 ? 4 : 2);
+    const uint8_t *q = b + stored_values_at(type);
     if (type == Q4_1) {
         const float m = half_load(b + 2);
         for (int j = 0; j < 16; j++) {
@@ -49,7 +43,7 @@ int quant_linear_f32(const float *x, int64_t x_stride, const uint8_t *w, int64_t
                      int type, const float *bias, float *y, int64_t y_stride, int rows, int n,
                      int k, int threads) {
     if ((type != Q4_0 && type != Q4_1 && type != Q8_0) || k % 32 != 0 || rows < 1) return -1;
-    const int bb = block_bytes(type), blocks = k / 32;
+    const int bb = stored_block_bytes(type), blocks = k / 32;
     #pragma omp parallel num_threads(threads)
     {
         float wr[k];
