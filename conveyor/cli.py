@@ -131,6 +131,20 @@ def main(argv: list[str] | None = None) -> None:
                      help="model name(s) the API answers to (default: the model's own)")
     srv.add_argument("--max-queue-len", type=int, default=None,
                      help="answer 503 when this many requests wait (default: no limit)")
+    srv.add_argument("--max-concurrent-requests", type=int, default=None,
+                     help="answer 429 when this many HTTP requests are in flight (TGI's; "
+                          "default: no limit)")
+    srv.add_argument("--request-timeout", type=float, default=None, metavar="SECONDS",
+                     help="end a request that runs longer (408); a request's own `timeout` "
+                          "may be shorter (default: none)")
+    srv.add_argument("--max-body-bytes", type=int, default=None,
+                     help="answer 413 to a larger request body (default: 16 MiB)")
+    srv.add_argument("--api-key", default=None,
+                     help="require 'Authorization: Bearer KEY' on every route but /health and "
+                          "/metrics (or set CONVEYOR_API_KEY, which keeps it out of ps)")
+    srv.add_argument("--dashboard-public", action="store_true",
+                     help="serve the dashboard (it shows prompts) without a key on a "
+                          "non-loopback host")
     srv.set_defaults(handler=_serve)
     add_bench_parser(sub)
     args = parser.parse_args(argv)

@@ -28,7 +28,7 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    finish_reason: str | None  # "stop", "length", "abort" or None while running
+    finish_reason: str | None  # "stop", "length", "abort", "error" or None while running
     logprobs: list[dict[int, Logprob]] | None = None
     stop_reason: str | int | None = None  # the stop string or stop token that ended it
 
@@ -46,3 +46,4 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    error: str | None = None    # why this request failed (finish_reason "error"), alone

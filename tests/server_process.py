@@ -25,11 +25,11 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    def __init__(self, *args: str) -> None:
+    def __init__(self, *args: str, env: dict[str, str] | None = None) -> None:
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self._log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)
-        env = dict(os.environ, HF_HUB_OFFLINE="1")
+        env = dict(os.environ, HF_HUB_OFFLINE="1", **(env or {}))
         self.proc = subprocess.Popen([*SERVE, "--port", str(self.port), *COMMON_ARGS, *args],
                                      stdout=self._log, stderr=subprocess.STDOUT, env=env)
 

@@ -1,6 +1,7 @@
 """The engine thread survives whatever a request does to the engine (no model needed: a fake
 engine fails on cue), the queue limit counts requests not yet seen by the engine, and the engine
-is built on the thread that steps it."""
+is built on the thread that steps it; if the thread dies, nobody is left waiting; timeouts,
+the concurrency limit and clients that stop reading free their seats."""
 
 from __future__ import annotations
 
@@ -11,9 +12,12 @@ from types import SimpleNamespace
 
 import pytest
 
+from conveyor.engine.faults import EngineKilled
 from conveyor.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from conveyor.sampling_params import SamplingParams
-from conveyor.server.engine_thread import EngineRequest, EngineThread, QueueFull
+from conveyor.server.engine_thread import (MAX_UNREAD_OUTPUTS, EngineDead, EngineRequest,
+                                           EngineThread, QueueFull, RequestTimeout, Submission,
+                                           TooManyRequests)
 from conveyor.server.metrics import ServerMetrics
 
 
@@ -132,3 +136,81 @@ def test_a_failed_build_raises_on_the_callers_thread():
 
     with pytest.raises(ValueError, match="no such model"):
         EngineThread(build)
+
+
+class DyingEngine(FakeEngine):
+    """``add_request`` of a prompt containing -2 kills the engine thread outright."""
+
+    def add_request(self, request_id, prompt, params, arrival_time=None, priority=0) -> None:
+        if -2 in prompt["prompt_token_ids"]:
+            raise EngineKilled("injected")
+        super().add_request(request_id, prompt, params, arrival_time, priority)
+
+
+def test_a_dead_engine_fails_every_waiting_client_and_refuses_new_ones():
+    deaths = []
+    thread = EngineThread(DyingEngine, on_death=lambda: deaths.append(1))
+    thread.start(ServerMetrics("fake"))
+
+    async def go() -> list:
+        doomed = [thread.submit([EngineRequest(str(i), [-2] if i == 1 else [1],
+                                               SamplingParams())]) for i in range(4)]
+
+        async def last(submission):
+            return [out async for _, out in submission.outputs()][-1]
+
+        return await asyncio.wait_for(asyncio.gather(*(last(s) for s in doomed),
+                                                     return_exceptions=True), 10)
+
+    results = asyncio.run(go())
+    assert isinstance(results[1], EngineDead)  # the killer itself is told, not left hanging
+    assert all(isinstance(r, (EngineDead, RequestOutput)) for r in results)
+    assert deaths == [1] and "injected" in thread.death
+    with pytest.raises(EngineDead):
+        run_one(thread, "late", [1])
+    assert thread.num_open == 0
+
+
+def test_concurrency_limit_counts_open_submissions_and_frees_them_on_close():
+    thread = EngineThread(FakeEngine, max_concurrent_requests=2)  # not started
+
+    async def burst() -> None:
+        first = thread.submit([EngineRequest("a", [1], SamplingParams())])
+        thread.submit([EngineRequest("b", [1], SamplingParams())])
+        with pytest.raises(TooManyRequests):
+            thread.submit([EngineRequest("c", [1], SamplingParams())])
+        first.abort()
+        thread.submit([EngineRequest("d", [1], SamplingParams())])
+
+    asyncio.run(burst())
+    assert thread.num_open == 2
+    thread.stop()
+
+
+def test_a_request_past_its_timeout_ends_with_an_error_and_is_aborted(make_thread):
+    thread = make_thread()  # never started: nothing comes back
+
+    async def go() -> None:
+        submission = thread.submit([EngineRequest("slow", [1], SamplingParams())], timeout=0.2)
+        with pytest.raises(RequestTimeout, match="0.2 s"):
+            async for _ in submission.outputs():
+                pass
+
+    asyncio.run(go())
+    assert thread.num_open == 0
+
+
+def test_a_client_that_reads_nothing_is_cut_after_a_bounded_number_of_outputs(make_thread):
+    thread = make_thread()
+
+    async def go() -> Submission:
+        submission = thread.submit([EngineRequest("stalled", [1], SamplingParams())])
+        running = RequestOutput("stalled", None, [1], [CompletionOutput(0, "", [], None)],
+                                False, RequestMetrics(0.0))
+        for _ in range(MAX_UNREAD_OUTPUTS + 1):
+            submission.put(running)
+        return submission
+
+    submission = asyncio.run(go())
+    assert thread.num_open == 0  # its seat is free and an abort is queued for the engine
+    assert isinstance(list(submission.outbox._queue)[-1], RequestTimeout)

@@ -17,6 +17,7 @@ import torch
 
 from conveyor.config import EngineConfig
 from conveyor.engine.detokenizer import IncrementalDetokenizer
+from conveyor.engine.faults import FAULTS, EngineKilled, InjectedFault, fault_for
 from conveyor.engine.kv_cache_manager import make_kv_cache_manager
 from conveyor.engine.request import Request, RequestStatus
 from conveyor.engine.scheduler import Scheduler, SchedulerConfig
@@ -66,6 +67,7 @@ class _RequestState:
     prompt: str | None
     prompt_token_ids: list[int]
     samples: list[_Sample]
+    error: str | None = None
 
     @property
     def finished(self) -> bool:
@@ -142,6 +144,12 @@ class LLMEngine:
             raise ValueError(
                 f"prompt ({len(ids)} tokens) plus max_tokens ({params.max_tokens}) exceeds "
                 f"max_model_len ({self.max_model_len})")
+        capacity = self.scheduler.kv.num_tokens_capacity
+        if params.n > 1 and params.n * (len(ids) + params.max_tokens) > capacity:
+            raise ValueError(
+                f"n ({params.n}) x (prompt ({len(ids)} tokens) + max_tokens "
+                f"({params.max_tokens})) exceeds what the KV pool can ever hold ({capacity} "
+                f"tokens)")
         return text, ids
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True
@@ -165,6 +173,9 @@ class LLMEngine:
         if request_id in self._states:
             raise ValueError(f"request id {request_id!r} is already in use")
         text, ids = self.check_request(prompt, params)
+        fault = fault_for(text if text is not None or not FAULTS else self.tokenizer.decode(ids))
+        if fault == "engine":
+            raise EngineKilled(f"fault injected: the engine dies on request {request_id}")
         arrival = time.monotonic() if arrival_time is None else arrival_time
         state = _RequestState(request_id, text, ids, [])
         for i in range(params.n):
@@ -172,6 +183,7 @@ class LLMEngine:
                 params, n=1, seed=None if params.seed is None else params.seed + i)
             sample_id = request_id if params.n == 1 else f"{i}_{request_id}"
             request = Request(sample_id, ids, sample_params, self.eos_token_ids, arrival, priority)
+            request.fault = fault
             if state.samples and self.config.enable_prefix_caching:
                 request.waits_for_prefill_of = state.samples[0].request
             state.samples.append(_Sample(
@@ -220,29 +232,23 @@ class LLMEngine:
         now = time.monotonic()
         self.timeline.record_step(self.num_steps, start, now, sched.scheduled, sched.preempted)
         advanced = self.scheduler.update_from_output(
-            sched, {rid: r.token_id for rid, r in results.items()}, now)
+            sched, {rid: r.token_id for rid, r in results.items() if r.error is None}, now)
 
         touched: dict[str, _RequestState] = {}
+        for rid, result in results.items():
+            if result.error is not None and rid in self._live_samples:
+                state = self._fail(rid, result.error, now)
+                touched[state.request_id] = state
         for request in advanced:
+            if request.request_id not in self._live_samples:  # a sibling failed this step
+                continue
             state, sample = self._live_samples[request.request_id]
-            result = results[request.request_id]
-            if sample.logprobs is not None:
-                sample.logprobs.append({tid: Logprob(lp, rank, self.tokenizer.decode([tid]))
-                                        for tid, lp, rank in result.logprobs})
-            stop = sample.detokenizer.add_token(
-                result.token_id,
-                check_stop=request.num_output_tokens >= request.sampling_params.min_tokens)
-            if stop is not None:  # a stop string outranks a length stop on the same token
-                request.stop_reason = stop
-                if request.is_finished:
-                    request.status = RequestStatus.FINISHED_STOPPED
-                else:
-                    self.scheduler.finish_request(request, RequestStatus.FINISHED_STOPPED)
-            if request.is_finished:
-                request.metrics.finished_time = now
-                self.timeline.leave(request, now)
-                self._live_samples.pop(request.request_id)
             touched[state.request_id] = state
+            try:
+                self._advance(request, sample, results[request.request_id], now)
+            except Exception as e:  # this request's failure is its own; the batch carries on
+                logger.exception("request %s failed", request.request_id)
+                self._fail(request.request_id, f"{type(e).__name__}: {e}", now)
 
         outputs = []
         for state in touched.values():
@@ -257,6 +263,46 @@ class LLMEngine:
             pool.num_used_blocks, pool.num_cached_free_blocks, len(sched.preempted)))
         self.num_steps += 1
         return outputs
+
+    def _advance(self, request: Request, sample: _Sample, result, now: float) -> None:
+        """A sampled token's logprobs, text and stop strings."""
+        if sample.logprobs is not None:
+            sample.logprobs.append({tid: Logprob(lp, rank, self.tokenizer.decode([tid]))
+                                    for tid, lp, rank in result.logprobs})
+        if request.fault == "detokenize":
+            raise InjectedFault(f"fault injected into the detokenizer of {request}")
+        stop = sample.detokenizer.add_token(
+            result.token_id,
+            check_stop=request.num_output_tokens >= request.sampling_params.min_tokens)
+        if stop is not None:  # a stop string outranks a length stop on the same token
+            request.stop_reason = stop
+            if request.is_finished:
+                request.status = RequestStatus.FINISHED_STOPPED
+            else:
+                self.scheduler.finish_request(request, RequestStatus.FINISHED_STOPPED)
+        if request.is_finished:
+            request.metrics.finished_time = now
+            self.timeline.leave(request, now)
+            self._live_samples.pop(request.request_id)
+
+    def _fail(self, sample_id: str, error: str, now: float) -> _RequestState:
+        """End every sample of the request this sample belongs to with ``error``. Its pages go
+        back to the pool at once."""
+        state, _ = self._live_samples[sample_id]
+        state.error = error
+        for sample in state.samples:
+            request = sample.request
+            if request.request_id not in self._live_samples:
+                continue  # finished before
+            if request.is_finished:  # finished this step by length or a stop token
+                request.status = RequestStatus.FINISHED_ERROR
+            else:
+                self.scheduler.finish_request(request, RequestStatus.FINISHED_ERROR)
+            request.metrics.finished_time = now
+            self.timeline.leave(request, now)
+            self._live_samples.pop(request.request_id)
+        logger.warning("request %s failed: %s", state.request_id, error)
+        return state
 
     def _output(self, state: _RequestState) -> RequestOutput:
         completions = [CompletionOutput(i, s.detokenizer.text, list(s.request.output_token_ids),
@@ -279,4 +325,5 @@ class LLMEngine:
             num_preemptions=sum(m.num_preemptions for m in metrics))
         cached = [s.request.num_cached_tokens for s in state.samples]
         return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, completions,
-                             finished, merged, max((c for c in cached if c is not None), default=0))
+                             finished, merged, max((c for c in cached if c is not None), default=0),
+                             state.error)

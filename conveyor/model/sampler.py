@@ -4,11 +4,13 @@ tokens do not depend on what else is in the batch."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
+from conveyor.engine.faults import InjectedFault
 from conveyor.engine.request import Request
 
 _NEG_INF = float("-inf")
@@ -19,11 +21,21 @@ class SampleResult:
     token_id: int
     # (token id, logprob, rank) of the sampled token first, then the top-k; None if not asked
     logprobs: list[tuple[int, float, int]] | None = None
+    error: str | None = None  # this row failed: its request ends with this error, alone
 
 
 def first_max(x: torch.Tensor) -> torch.Tensor:
     """Each row's first maximum, as ``argmax(dim=-1)``, which is slower on the CPU."""
     return x.max(dim=-1).indices
+
+
+def _logprobs(row: torch.Tensor, tok: int, k: int) -> list[tuple[int, float, int]]:
+    """(token, logprob, rank) of the sampled token, then of the top ``k``."""
+    chosen = float(row[tok])
+    rank = int((row > chosen).sum()) + 1
+    top_vals, top_ids = row.topk(k) if k else (torch.empty(0), torch.empty(0))
+    return [(tok, chosen, rank)] + [(t, v, j + 1) for j, (t, v) in
+                                    enumerate(zip(top_ids.tolist(), top_vals.tolist()))]
 
 
 class Sampler:
@@ -51,7 +63,15 @@ class Sampler:
         return gen
 
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> list[SampleResult]:
-        """logits: [B, V] float32, one row per request, in the same order."""
+        """logits: [B, V] float32, one row per request, in the same order. A row that is not
+        finite (NaN or inf from the model) or fails is that request's error, not the batch's."""
+        if any(r.fault == "nan_logits" for r in requests):
+            logits = logits.clone()
+            logits[[i for i, r in enumerate(requests) if r.fault == "nan_logits"]] = math.nan
+        broken = (~torch.isfinite(logits.sum(dim=-1))).nonzero().flatten().tolist()
+        if broken:  # sampled as zeros (harmless), reported as errors
+            logits = logits.clone()
+            logits[broken] = 0.0
         params = [r.sampling_params for r in requests]
         want_logprobs = [p.logprobs for p in params]
         raw_logprobs = (torch.log_softmax(logits, dim=-1)
@@ -70,17 +90,16 @@ class Sampler:
         token_list = tokens.tolist()
         results = []
         for i, (tok, k) in enumerate(zip(token_list, want_logprobs)):
-            lp = None
-            if k is not None:
-                row = raw_logprobs[i]
-                chosen = float(row[tok])
-                rank = int((row > chosen).sum()) + 1
-                lp = [(tok, chosen, rank)]
-                if k:
-                    top_vals, top_ids = row.topk(k)
-                    lp += [(t, v, j + 1) for j, (t, v) in
-                           enumerate(zip(top_ids.tolist(), top_vals.tolist()))]
-            results.append(SampleResult(tok, lp))
+            try:
+                if requests[i].fault == "sample":
+                    raise InjectedFault(f"fault injected into the sampling of {requests[i]}")
+                results.append(SampleResult(tok, None if k is None
+                                            else _logprobs(raw_logprobs[i], tok, k)))
+            except Exception as e:  # this row's failure is its own
+                results.append(SampleResult(tok, error=f"sampling failed: {e}"))
+        for i in broken:
+            results[i] = SampleResult(0, error="the model produced non-finite logits (NaN or "
+                                               "inf) for this request")
         return results
 
     def _mask_early_stops(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:

@@ -12,6 +12,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from conveyor import __version__
 from conveyor.kernels import isa
+from conveyor.server.access import DEFAULT_MAX_BODY_BYTES, ApiKeyGuard, BodyLimit
 from conveyor.server.chat import create_chat_completion
 from conveyor.server.completions import create_completion
 from conveyor.server.dashboard import dashboard_router, mount_static
@@ -28,12 +29,21 @@ _GENERATE_RESPONSES = {
     200: {"description": "JSON, or Server-Sent Events when `stream` is true",
           "content": {"text/event-stream": {"schema": {"type": "string"}}}},
     400: {"model": ErrorResponse, "description": "invalid request; `param` names the field"},
+    401: {"model": ErrorResponse, "description": "missing or wrong API key (--api-key)"},
     404: {"model": ErrorResponse, "description": "unknown model"},
-    503: {"model": ErrorResponse, "description": "queue full; see the Retry-After header"},
+    408: {"model": ErrorResponse, "description": "ran past its `timeout`"},
+    413: {"model": ErrorResponse, "description": "request body too large"},
+    429: {"model": ErrorResponse, "description": "--max-concurrent-requests in flight; see "
+                                                 "the Retry-After header"},
+    500: {"model": ErrorResponse, "description": "this request failed (the others carry on)"},
+    503: {"model": ErrorResponse, "description": "queue full (see the Retry-After header), or "
+                                                 "the engine died"},
 }
 
 
-def build_app(state: ServerState, ready_message: str = "") -> FastAPI:
+def build_app(state: ServerState, ready_message: str = "", api_key: str | None = None,
+              dashboard_open: bool = True,
+              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         if ready_message:
@@ -46,9 +56,14 @@ def build_app(state: ServerState, ready_message: str = "") -> FastAPI:
     install_error_handlers(app)
     app.include_router(dashboard_router(state))
     mount_static(app)
+    app.add_middleware(ApiKeyGuard, api_key=api_key, dashboard_open=dashboard_open)
+    app.add_middleware(BodyLimit, max_bytes=max_body_bytes)  # outermost: before anything reads
 
-    @app.get("/health", summary="200 once the model is loaded")
+    @app.get("/health", summary="200 while the engine serves; 503 once it has died")
     async def health() -> Response:
+        death = state.engine_thread.death
+        if death is not None:
+            raise APIError(503, death, None, "engine_dead")
         return Response(status_code=200)
 
     @app.get("/version")

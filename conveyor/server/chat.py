@@ -52,7 +52,8 @@ async def create_chat_completion(body: ChatCompletionRequest, raw: Request,
     top = (body.top_logprobs or 0) if body.logprobs else None
     params = state.sampling_params(body, max_tokens, top)
     _, ids = state.check_prompt({"prompt_token_ids": ids}, params, "messages", limit_param)
-    request_id, submission = state.submit("chatcmpl", [ids], params, body.priority)
+    request_id, submission = state.submit("chatcmpl", [ids], params, body.priority,
+                                           body.timeout)
     created = int(time.time())
     if body.stream:
         return StreamingResponse(_stream(state, body, request_id, created, submission,

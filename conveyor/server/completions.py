@@ -51,7 +51,7 @@ async def create_completion(body: CompletionRequest, raw: Request,
     echoes = [(text if text is not None else state.engine.tokenizer.decode(ids))
               if body.echo else "" for text, ids in checked]
     request_id, submission = state.submit("cmpl", [ids for _, ids in checked], params,
-                                           body.priority)
+                                           body.priority, body.timeout)
     created = int(time.time())
     if body.stream:
         return StreamingResponse(

@@ -44,7 +44,7 @@ class EngineRequest:
 class _Add:
     request: EngineRequest
     loop: asyncio.AbstractEventLoop
-    outbox: asyncio.Queue
+    submission: Submission
     arrival_time: float
 
 
@@ -66,13 +66,13 @@ class _Live:
     """What the engine thread knows about one request it is running."""
 
     loop: asyncio.AbstractEventLoop
-    outbox: asyncio.Queue
+    submission: Submission
     num_prompt_tokens: int
     num_output_tokens: int = 0
 
     def deliver(self, item: RequestOutput | Exception) -> None:
         try:
-            self.loop.call_soon_threadsafe(self.outbox.put_nowait, item)
+            self.loop.call_soon_threadsafe(self.submission.put, item)
         except RuntimeError:  # the event loop is closed: nobody is listening any more
             pass
 
@@ -84,22 +84,63 @@ class QueueFull(Exception):
     pass
 
 
-class Submission:
-    """The outputs of one HTTP request's engine requests, as they arrive."""
+class TooManyRequests(Exception):
+    pass
 
-    def __init__(self, inbox: queue.Queue, requests: list[EngineRequest]) -> None:
+
+class EngineDead(RuntimeError):
+    pass
+
+
+class RequestTimeout(Exception):
+    pass
+
+
+class RequestFailed(RuntimeError):
+    """The engine ended this request with an error of its own (the batch carried on)."""
+
+
+# Outputs a client may leave unread before its request is cut: a stream whose client stopped
+# reading stalls on the socket, and each output it has not taken holds a copy of its tokens.
+MAX_UNREAD_OUTPUTS = 512
+
+
+class Submission:
+    """The outputs of one HTTP request's engine requests, as they arrive. Closing it (finished,
+    aborted, timed out or cut) aborts what still runs and frees its seat."""
+
+    def __init__(self, inbox: queue.Queue, requests: list[EngineRequest],
+                 timeout: float | None, on_close: Callable[[], None]) -> None:
         self._inbox = inbox
         self.outbox: asyncio.Queue = asyncio.Queue()
         self._index = {r.request_id: i for i, r in enumerate(requests)}
         self._unfinished = set(self._index)
+        self._deadline = None if timeout is None else time.monotonic() + timeout
+        self._timeout = timeout
+        self._on_close: Callable[[], None] | None = on_close
+
+    def put(self, item: RequestOutput | Exception) -> None:
+        """On the event loop: an output from the engine thread."""
+        if self.outbox.qsize() >= MAX_UNREAD_OUTPUTS:
+            self.abort()
+            item = RequestTimeout(f"the client read none of the last {MAX_UNREAD_OUTPUTS} "
+                                  "outputs; the request was cut")
+        self.outbox.put_nowait(item)
 
     async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
         """Yield ``(index, output)`` until all finish; leaving early aborts the rest."""
         try:
             while self._unfinished:
-                item = await self.outbox.get()
+                left = None if self._deadline is None else self._deadline - time.monotonic()
+                try:
+                    item = await asyncio.wait_for(self.outbox.get(), left)
+                except TimeoutError:
+                    raise RequestTimeout(f"the request ran past its timeout of "
+                                         f"{self._timeout:g} s") from None
                 if isinstance(item, Exception):
                     raise item
+                if item.error is not None:
+                    raise RequestFailed(item.error)
                 if item.finished:
                     self._unfinished.discard(item.request_id)
                 yield self._index[item.request_id], item
@@ -110,20 +151,29 @@ class Submission:
         for request_id in self._unfinished:
             self._inbox.put(_Abort(request_id))
         self._unfinished.clear()
+        if self._on_close is not None:
+            self._on_close()
+            self._on_close = None
 
 
 class EngineThread:
     """Builds the engine on its own thread at once (raising what ``build`` raised); drains and
     steps only from ``start`` on."""
 
-    def __init__(self, build: Callable[[], LLMEngine], max_queue_len: int | None = None) -> None:
+    def __init__(self, build: Callable[[], LLMEngine], max_queue_len: int | None = None,
+                 max_concurrent_requests: int | None = None,
+                 on_death: Callable[[], None] = lambda: None) -> None:
         self.max_queue_len = max_queue_len
+        self.max_concurrent_requests = max_concurrent_requests
         self.metrics: ServerMetrics | None = None  # set by start
+        self.death: str | None = None      # why the engine thread died, once it has
+        self._on_death = on_death
         self._inbox: queue.Queue = queue.Queue()
         self._live: dict[str, _Live] = {}  # engine thread only
-        self._lock = threading.Lock()      # guards the two queue-length counts below
+        self._lock = threading.Lock()      # guards the counts below
         self._num_pending = 0              # adds in the inbox, not yet seen by the engine
         self._num_waiting = 0              # the scheduler's waiting queue, as last seen
+        self._num_open = 0                 # submissions not yet closed (HTTP requests in flight)
         self._started = threading.Event()
         built: concurrent.futures.Future = concurrent.futures.Future()
         self._thread = threading.Thread(target=self._run, args=(build, built),
@@ -142,23 +192,45 @@ class EngineThread:
             self._started.set()
             self._thread.join(timeout)
 
-    def submit(self, requests: list[EngineRequest]) -> Submission:
-        """Queue validated requests at once; raises QueueFull when ``max_queue_len`` wait."""
+    @property
+    def num_open(self) -> int:
+        return self._num_open
+
+    def submit(self, requests: list[EngineRequest], timeout: float | None = None
+               ) -> Submission:
+        """Queue validated requests at once. Raises TooManyRequests past
+        ``max_concurrent_requests`` open submissions, QueueFull when ``max_queue_len`` wait,
+        EngineDead once the engine thread has died."""
         with self._lock:
+            if self.death is not None:
+                raise EngineDead(self.death)
+            if (self.max_concurrent_requests is not None
+                    and self._num_open >= self.max_concurrent_requests):
+                raise TooManyRequests(f"{self._num_open} requests are in flight "
+                                      f"(--max-concurrent-requests "
+                                      f"{self.max_concurrent_requests})")
             if (self.max_queue_len is not None
                     and self._num_pending + self._num_waiting >= self.max_queue_len):
                 raise QueueFull(f"{self._num_pending + self._num_waiting} requests are waiting "
                                 f"(--max-queue-len {self.max_queue_len})")
             self._num_pending += len(requests)
-        submission = Submission(self._inbox, requests)
-        loop = asyncio.get_running_loop()
-        now = time.monotonic()
-        for r in requests:
-            self._inbox.put(_Add(r, loop, submission.outbox, now))
+            self._num_open += 1
+            # queued under the lock: a dying engine thread either sees these or we see it dead
+            submission = Submission(self._inbox, requests, timeout, self._close)
+            loop = asyncio.get_running_loop()
+            now = time.monotonic()
+            for r in requests:
+                self._inbox.put(_Add(r, loop, submission, now))
         return submission
+
+    def _close(self) -> None:
+        with self._lock:
+            self._num_open -= 1
 
     async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
         """``fn(engine)``, run between two steps on the engine thread."""
+        if self.death is not None:
+            raise EngineDead(self.death)
         future: concurrent.futures.Future = concurrent.futures.Future()
         self._inbox.put(_Call(fn, future))
         return await asyncio.wrap_future(future)
@@ -171,15 +243,34 @@ class EngineThread:
             built.set_exception(e)
             return
         self._started.wait()
-        while True:
-            try:
-                if not self._drain(block=not self.engine.has_unfinished_requests()):
-                    return
+        try:
+            while self._drain(block=not self.engine.has_unfinished_requests()):
                 if self.engine.has_unfinished_requests():
                     self._step()
                 self.metrics.observe_engine(self.engine)
-            except Exception:  # a bug must not silently stop serving every later request
-                logger.exception("engine loop error; carrying on")
+        except BaseException as e:  # the engine's state is unknown now: fail loudly, exit
+            logger.critical("the engine thread died", exc_info=e)
+            self._die(f"the engine died: {type(e).__name__}: {e}")
+
+    def _die(self, reason: str) -> None:
+        """Every request in flight or queued gets an error; then the process is told to go
+        (a supervisor restarts it), and /health says 503 meanwhile."""
+        with self._lock:  # from here on submit refuses, so the inbox only shrinks
+            self.death = reason
+        error = EngineDead(reason)
+        for live in self._live.values():
+            live.deliver(error)
+        self._live.clear()
+        while True:
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(item, _Add):
+                _Live(item.loop, item.submission, 0).deliver(error)
+            elif isinstance(item, _Call):
+                item.future.set_exception(error)
+        self._on_death()
 
     def _drain(self, block: bool) -> bool:
         """Apply queued commands; False once told to stop."""
@@ -200,16 +291,17 @@ class EngineThread:
 
     def _add(self, cmd: _Add) -> None:
         r = cmd.request
-        live = _Live(cmd.loop, cmd.outbox, len(r.prompt_token_ids))
+        live = self._live[r.request_id] = _Live(cmd.loop, cmd.submission,
+                                                len(r.prompt_token_ids))
         try:
             self.engine.add_request(r.request_id, {"prompt_token_ids": r.prompt_token_ids},
                                     r.params, arrival_time=cmd.arrival_time,
                                     priority=r.priority)
         except Exception as e:  # a bad request fails alone; the engine carries on
             logger.warning("rejected %s: %s", r.request_id, e)
+            del self._live[r.request_id]
             live.deliver(e if isinstance(e, ValueError) else RuntimeError(str(e)))
         else:
-            self._live[r.request_id] = live
             self.metrics.prompt_tokens.inc(len(r.prompt_token_ids))
         finally:
             with self._lock:

@@ -14,8 +14,9 @@ from conveyor.server.protocol import ErrorInfo, ErrorResponse
 
 logger = logging.getLogger("conveyor.server")
 
-_TYPES = {400: "invalid_request_error", 404: "not_found_error", 405: "invalid_request_error",
-          503: "server_overloaded", 500: "internal_server_error"}
+_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error", 404: "not_found_error",
+          405: "invalid_request_error", 408: "timeout_error", 413: "invalid_request_error",
+          429: "rate_limit_error", 500: "internal_server_error", 503: "server_overloaded"}
 
 
 class APIError(Exception):
@@ -38,18 +39,23 @@ def bad_request(message: str, param: str | None, code: str = "invalid_value") ->
     return APIError(400, message, param, code)
 
 
-_RANGE_ERRORS = ("greater_than", "greater_than_equal", "less_than", "less_than_equal")
+_RANGE_ERRORS = ("greater_than", "greater_than_equal", "less_than", "less_than_equal",
+                 "too_long", "too_short", "string_too_long")
+_BRANCHES = ("str", "int", "float", "bool", "constrained-str")  # pydantic's names of a union's branches in a loc
 
 
 def _validation_error(exc: RequestValidationError) -> APIError:
-    """Pydantic's first complaint, with the top-level body field as ``param``."""
-    errors = exc.errors()
-    first = errors[0] if errors else {"loc": (), "msg": "invalid request", "type": ""}
+    """Pydantic's first complaint, with the top-level body field as ``param``. Of a union's
+    complaints (one a branch) the one that is not a type mismatch says what is wrong, e.g. a
+    list too long rather than "should be a valid string"."""
+    errors = exc.errors() or [{"loc": (), "msg": "invalid request", "type": ""}]
+    first = next((e for e in errors if not str(e.get("type", "")).endswith("_type")), errors[0])
     kind = first.get("type", "")
     if kind == "json_invalid":
         return bad_request(f"malformed JSON in the request body: {first.get('msg')}", None,
                            "invalid_json")
-    loc = [str(part) for part in first.get("loc", ())]
+    loc = [str(part) for part in first.get("loc", ())
+           if not (isinstance(part, str) and ("[" in part or part in _BRANCHES))]
     field = loc[1] if len(loc) > 1 and loc[0] in ("body", "query") else None
     where = ".".join(loc[1:]) if field else "request body"
     if kind == "missing":

@@ -1,25 +1,32 @@
 """``conveyor serve``: load the engine, start its thread, serve HTTP until told to stop.
 
 On SIGTERM or SIGINT uvicorn stops accepting, lets running requests finish (at most
-``GRACEFUL_SHUTDOWN_S``), then the engine thread stops and the process exits 0.
+``GRACEFUL_SHUTDOWN_S``), then the engine thread stops and the process exits 0. If the engine
+thread dies, every client gets an error, /health answers 503 and the process exits 1, for a
+supervisor to restart it.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 
 import uvicorn
 
 from conveyor.cli import engine_config
 from conveyor.engine.engine import LLMEngine
+from conveyor.server.access import DEFAULT_MAX_BODY_BYTES, is_loopback
 from conveyor.server.app import build_app
 from conveyor.server.engine_thread import EngineThread
 from conveyor.server.metrics import ServerMetrics
 from conveyor.server.serving import ServerState
 
 GRACEFUL_SHUTDOWN_S = 30
+API_KEY_ENV = "CONVEYOR_API_KEY"  # the key out of `ps`
+
+logger = logging.getLogger("conveyor.server")
 
 
 def _ready_message(state: ServerState, args: argparse.Namespace) -> str:
@@ -35,21 +42,58 @@ def _ready_message(state: ServerState, args: argparse.Namespace) -> str:
             f"{cfg.scheduling_policy}, prefix caching "
             f"{'on' if cfg.enable_prefix_caching else 'off'}, max_num_seqs {cfg.max_num_seqs}, "
             f"max_num_batched_tokens {cfg.max_num_batched_tokens}, "
-            f"max_model_len {engine.max_model_len}, max_queue_len {args.max_queue_len}; "
-            f"live view: http://{args.host}:{args.port}/dashboard")
+            f"max_model_len {engine.max_model_len}, max_queue_len {args.max_queue_len}, "
+            f"max_concurrent_requests {args.max_concurrent_requests}, request_timeout "
+            f"{args.request_timeout}")
+
+
+def _access_message(args: argparse.Namespace, api_key: str | None, dashboard_open: bool) -> str:
+    key = (f"API key required on every route but /health and /metrics (from "
+           f"{'--api-key' if args.api_key else API_KEY_ENV})" if api_key else "no API key")
+    if api_key:
+        page = "the dashboard needs the key too (open it as /dashboard#key=...)"
+    elif dashboard_open:
+        page = ("the dashboard is public (--dashboard-public)" if args.dashboard_public
+                else "the dashboard is served (loopback host)")
+    else:
+        page = ("the dashboard is off: it shows prompt text, and this host is not loopback "
+                "(give --api-key or --dashboard-public)")
+    return f"{key}; {page}: http://{args.host}:{args.port}/dashboard"
+
+
+def _check(args: argparse.Namespace) -> None:
+    for flag in ("max_queue_len", "max_concurrent_requests", "max_body_bytes"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
+    if args.request_timeout is not None and args.request_timeout <= 0:
+        raise ValueError(f"--request-timeout must be > 0, got {args.request_timeout}")
+    if args.api_key == "":
+        raise ValueError("--api-key must not be empty")
 
 
 def serve(args: argparse.Namespace) -> None:
-    if args.max_queue_len is not None and args.max_queue_len < 1:
-        raise ValueError(f"--max-queue-len must be >= 1, got {args.max_queue_len}")
+    _check(args)
     logging.basicConfig(level=logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
+    dashboard_open = args.dashboard_public or is_loopback(args.host)
     config = engine_config(args)
-    engine_thread = EngineThread(lambda: LLMEngine(config), args.max_queue_len)
+    server: uvicorn.Server | None = None
+
+    def on_death() -> None:  # from the engine thread: stop serving, exit 1 below
+        if server is not None:
+            server.should_exit = True
+
+    engine_thread = EngineThread(lambda: LLMEngine(config), args.max_queue_len,
+                                 args.max_concurrent_requests, on_death)
     engine = engine_thread.engine
     names = args.served_model_name or [engine.model_name]
-    state = ServerState(engine, engine_thread, ServerMetrics(names[0]), names)
-    app = build_app(state, _ready_message(state, args))
+    state = ServerState(engine, engine_thread, ServerMetrics(names[0]), names,
+                        args.request_timeout)
+    app = build_app(state, f"{_ready_message(state, args)}; "
+                           f"{_access_message(args, api_key, dashboard_open)}",
+                    api_key, dashboard_open, args.max_body_bytes or DEFAULT_MAX_BODY_BYTES)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port,
                                            log_level="info",
                                            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S))
@@ -58,3 +102,6 @@ def serve(args: argparse.Namespace) -> None:
         signal.signal(sig, lambda *_: None)
     state.engine_thread.start(state.metrics)
     server.run()  # the app's lifespan stops the engine thread on the way out
+    if engine_thread.death is not None:
+        logger.critical("exiting 1: %s", engine_thread.death)
+        raise SystemExit(1)

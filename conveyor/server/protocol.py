@@ -7,13 +7,23 @@ field before any work is queued, and so that the generated OpenAPI schema states
 from __future__ import annotations
 
 import time
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, Field
 
 from conveyor.engine.engine import StepRecord
 from conveyor.outputs import RequestOutput
 from conveyor.sampling_params import SamplingParams
+
+
+# Sizes past which a request is refused before any work (each a 400 naming the field).
+MAX_STOP_STRINGS = 16      # each checked against the new text of every token
+MAX_STOP_CHARS = 1000
+MAX_PROMPTS = 256          # prompts in one completions request
+MAX_MESSAGES = 4096
+StopStrings = (Annotated[str, Field(max_length=MAX_STOP_CHARS)]
+               | Annotated[list[Annotated[str, Field(max_length=MAX_STOP_CHARS)]],
+                           Field(max_length=MAX_STOP_STRINGS)] | None)
 
 
 class StreamOptions(BaseModel):
@@ -27,7 +37,7 @@ class SamplingFields(BaseModel):
     n: int = Field(1, ge=1, le=128)
     temperature: float = Field(1.0, ge=0)
     top_p: float = Field(1.0, gt=0, le=1)
-    stop: str | list[str] | None = None
+    stop: StopStrings = None
     seed: int | None = None
     presence_penalty: float = Field(0.0, ge=-2, le=2)
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
@@ -40,8 +50,10 @@ class SamplingFields(BaseModel):
     repetition_penalty: float = Field(1.0, gt=0)
     min_tokens: int = Field(0, ge=0)
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[int] | None = Field(None, max_length=MAX_STOP_STRINGS)
     priority: int = Field(0, description="lower runs first under --scheduling-policy priority")
+    timeout: float | None = Field(None, gt=0, description="seconds; past them the request ends "
+                                  "with a 408 (or an error event); capped by --request-timeout")
 
     @property
     def include_usage(self) -> bool:
@@ -79,7 +91,8 @@ class UsageInfo(BaseModel):
 
 # -- /v1/completions ---------------------------------------------------------------------------
 class CompletionRequest(SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: (str | Annotated[list[str], Field(max_length=MAX_PROMPTS)] | list[int]
+             | Annotated[list[list[int]], Field(max_length=MAX_PROMPTS)])
     max_tokens: int = Field(16, ge=1)
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
@@ -128,7 +141,7 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(SamplingFields):
-    messages: list[ChatMessage]
+    messages: list[ChatMessage] = Field(max_length=MAX_MESSAGES)
     max_tokens: int | None = Field(None, ge=1, description="deprecated by OpenAI; still honoured")
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False

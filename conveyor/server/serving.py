@@ -12,7 +12,9 @@ from fastapi import Request
 from conveyor.engine.engine import LLMEngine, Prompt
 from conveyor.outputs import RequestOutput
 from conveyor.sampling_params import SamplingParams
-from conveyor.server.engine_thread import EngineRequest, EngineThread, QueueFull, Submission
+from conveyor.server.engine_thread import (EngineDead, EngineRequest, EngineThread, QueueFull,
+                                           RequestFailed, RequestTimeout, Submission,
+                                           TooManyRequests)
 from conveyor.server.errors import APIError, bad_request
 from conveyor.server.metrics import ServerMetrics
 from conveyor.server.protocol import SamplingFields
@@ -26,6 +28,7 @@ class ServerState:
     engine_thread: EngineThread
     metrics: ServerMetrics
     served_model_names: list[str]
+    request_timeout: float | None = None  # --request-timeout: the default and the most
 
     @property
     def model_name(self) -> str:
@@ -51,25 +54,43 @@ class ServerState:
         try:
             return self.engine.check_request(prompt, params)
         except ValueError as e:
-            raise bad_request(str(e), limit_param if "max_model_len" in str(e) else param) from e
+            message = str(e)
+            name = ("n" if message.startswith("n (") else
+                    limit_param if "max_model_len" in message else param)
+            raise bad_request(message, name) from e
 
     def submit(self, prefix: str, prompts: list[list[int]], params: SamplingParams,
-               priority: int = 0) -> tuple[str, Submission]:
+               priority: int = 0, timeout: float | None = None) -> tuple[str, Submission]:
+        """Queue the prompts; ``timeout`` (seconds, the request's own) is capped by
+        ``--request-timeout``."""
         request_id = f"{prefix}-{uuid.uuid4().hex}"
         ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}"
                                                        for i in range(len(prompts))]
+        limits = [t for t in (timeout, self.request_timeout) if t is not None]
         try:
             return request_id, self.engine_thread.submit(
-                [EngineRequest(i, p, params, priority) for i, p in zip(ids, prompts)])
+                [EngineRequest(i, p, params, priority) for i, p in zip(ids, prompts)],
+                min(limits) if limits else None)
+        except TooManyRequests as e:
+            raise APIError(429, f"too many requests at once: {e}; retry later", None,
+                           "too_many_requests", {"Retry-After": str(RETRY_AFTER_S)}) from e
         except QueueFull as e:
             raise APIError(503, f"the server is overloaded: {e}; retry later", None,
                            "queue_full", {"Retry-After": str(RETRY_AFTER_S)}) from e
+        except EngineDead as e:
+            raise engine_failure(e) from e
 
 
 def engine_failure(exc: Exception) -> APIError:
     """An error the engine thread reported for a queued request."""
     if isinstance(exc, ValueError):
         return bad_request(str(exc), None)
+    if isinstance(exc, RequestTimeout):
+        return APIError(408, str(exc), None, "timeout")
+    if isinstance(exc, EngineDead):
+        return APIError(503, f"{exc}; the server is restarting", None, "engine_dead")
+    if isinstance(exc, RequestFailed):
+        return APIError(500, f"this request failed: {exc}", None, "request_failed")
     return APIError(500, str(exc), code="engine_error")
 
 

@@ -378,12 +378,25 @@
   }
 
   // -- the loop ------------------------------------------------------------------------------
+  // A server started with --api-key wants it on the feed too: taken from the address
+  // (.../dashboard#key=...) or asked for once, and kept for this tab only.
+  function authHeaders() {
+    const given = location.hash.match(/key=([^&]+)/);
+    if (given) sessionStorage.setItem("conveyor-api-key", decodeURIComponent(given[1]));
+    const key = sessionStorage.getItem("conveyor-api-key");
+    return key ? {Authorization: `Bearer ${key}`} : {};
+  }
+
   async function poll() {
     const first = S.updates === 0;
     const url = `/v1/engine/dashboard?since_step=${S.nextStep}&since_event=${S.nextEvent}` +
       (first ? `&window=${KEEP_S}` : "");
     try {
-      const response = await fetch(url, {cache: "no-store"});
+      const response = await fetch(url, {cache: "no-store", headers: authHeaders()});
+      if (response.status === 401) {
+        const key = window.prompt("This server needs its API key:");
+        if (key) sessionStorage.setItem("conveyor-api-key", key);
+      }
       if (!response.ok) throw new Error(`HTTP ${response.status}`);
       const feed = await response.json();
       const t0 = performance.now();
