@@ -13,6 +13,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
+import jinja2
 import torch
 
 from conveyor.config import EngineConfig
@@ -84,6 +85,7 @@ class LLMEngine:
         self.model_path = loaded.path
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
+        self._check_chat_template()
         self.eos_token_ids = frozenset(loaded.eos_token_ids)
         self.device = config.torch_device()
         self.dtype = config.torch_dtype(loaded.config.torch_dtype, self.device)
@@ -163,9 +165,33 @@ class LLMEngine:
                 raise ValueError(f"message content must be a string, got {m.get('content')!r}")
         if not self.tokenizer.chat_template:
             raise ValueError(f"model {self.model_name} has no chat template")
-        text = self.tokenizer.apply_chat_template(messages, tokenize=False,
-                                                  add_generation_prompt=add_generation_prompt)
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        return self.tokenizer.encode(self._render_chat(messages, add_generation_prompt),
+                                     add_special_tokens=False)
+
+    def _render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        """The chat template is code from the model file: transformers renders it in Jinja's
+        immutable sandbox, which refuses any reach into Python internals (SecurityError)."""
+        try:
+            return self.tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        except jinja2.exceptions.SecurityError as e:
+            raise ValueError(f"the chat template of {self.model_name} was refused: it tried "
+                             f"to reach Python internals ({e})") from e
+        except jinja2.exceptions.TemplateError as e:
+            raise ValueError(f"the chat template of {self.model_name} failed on these "
+                             f"messages: {e}") from e
+
+    def _check_chat_template(self) -> None:
+        """Render the template once at load: one that reaches for Python internals on a plain
+        conversation is refused before anything is served."""
+        if not self.tokenizer.chat_template:
+            return
+        try:
+            self._render_chat([{"role": "user", "content": "Hello"}])
+        except ValueError as e:
+            if isinstance(e.__cause__, jinja2.exceptions.SecurityError):
+                raise
+            logger.warning("%s", e)  # a template may legitimately refuse a bare conversation
 
     def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams,
                     arrival_time: float | None = None, priority: int = 0) -> None:
