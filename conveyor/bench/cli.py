@@ -1,9 +1,10 @@
-"""``conveyor bench serve|compare|tune``."""
+"""``conveyor bench serve|compare|tune|overload|soak``."""
 
 from __future__ import annotations
 
 from conveyor.bench.compare import add_compare_args, compare
 from conveyor.bench.serve import add_serve_args, benchmark
+from conveyor.bench.stress import add_overload_args, add_soak_args, overload, soak
 from conveyor.bench.tune import add_tune_args, tune
 
 
@@ -17,7 +18,11 @@ def add_bench_parser(sub) -> None:
             ("compare", add_compare_args, compare,
              "the same workload against Conveyor per policy / max-num-seqs"),
             ("tune", add_tune_args, tune,
-             "sweep max-num-seqs and recommend one for a latency target")):
+             "sweep max-num-seqs and recommend one for a latency target"),
+            ("overload", add_overload_args, overload,
+             "far more streams than seats at once: each completes or is refused quickly"),
+            ("soak", add_soak_args, soak,
+             "many short mixed requests, with disconnects and bad ones: nothing lost")):
         parser = kinds.add_parser(name, help=help_text)
         add_args(parser)
         parser.set_defaults(handler=handler)

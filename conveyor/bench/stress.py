@@ -1,0 +1,336 @@
+"""``conveyor bench overload`` and ``conveyor bench soak``: does a server survive, and lose nothing?
+
+Overload sends far more streams than the server has seats and queue, all at once: every one must
+either complete or be refused quickly (429/503), and afterwards nothing may run, wait or hold a
+KV page. Soak sends many short mixed requests (chat and completions, streamed or not) from a
+fixed number of clients, some of which disconnect at random points and some of which send bad
+requests on purpose: only those intended errors may appear, no page may leak, and the server's
+resident memory must level off.
+
+Both start ``conveyor serve`` with ``--server-args`` unless ``--base-url`` names a running
+server (then resident memory is not measured).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import shlex
+import tempfile
+import time
+from collections import Counter
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+
+import httpx
+
+from conveyor.bench.launcher import ConveyorServer
+
+PROMPTS = ["The capital of France is", "Write a haiku about rivers.", "List three fruits:",
+           "Explain continuous batching in one sentence.", "Once upon a time", "2 + 2 ="]
+BAD_BODIES = [  # each must be answered with a 4xx in OpenAI's error shape
+    ("/v1/completions", {"prompt": "x", "temperature": -1}),
+    ("/v1/completions", {"prompt": "x", "model": "no-such-model"}),
+    ("/v1/chat/completions", {"messages": []}),
+    ("/v1/completions", {"prompt": "x", "stop": ["a"] * 100}),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 10**9}),
+    ("/v1/chat/completions", {"messages": [{"role": "nobody", "content": "hi"}]}),
+    ("/v1/completions", "{not json"),
+]
+
+
+@dataclass
+class Outcome:
+    kind: str          # completed, refused, disconnected, rejected (an intended 4xx), failed
+    status: int | None
+    seconds: float     # until the answer's status (refusals) or the end
+    detail: str = ""
+
+
+@dataclass
+class ServerState:
+    running: float
+    waiting: float
+    kv_usage: float
+    num_kv_pages: int
+    health: int
+    rss_mib: float | None
+    finished: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def pages_in_use(self) -> int:
+        return round(self.kv_usage * self.num_kv_pages)
+
+
+def _metrics(text: str) -> dict[str, float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    values: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            key = s.name + (f":{s.labels['finished_reason']}" if "finished_reason" in s.labels
+                            else "")
+            values[key] = values.get(key, 0.0) + s.value
+    return values
+
+
+def rss_mib(pid: int | None) -> float | None:
+    if pid is None:
+        return None
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return None
+
+
+def server_state(base_url: str, headers: dict, pid: int | None, settle_s: float = 30.0
+                 ) -> ServerState:
+    """The server once it has gone idle (running and waiting 0), or after ``settle_s``."""
+    deadline = time.monotonic() + settle_s
+    while True:
+        m = _metrics(httpx.get(f"{base_url}/metrics", timeout=30).text)
+        idle = not m["conveyor:num_requests_running"] and not m["conveyor:num_requests_waiting"]
+        if idle or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    feed = httpx.get(f"{base_url}/v1/engine/dashboard", params={"window": 1}, headers=headers,
+                     timeout=30).json()
+    return ServerState(m["conveyor:num_requests_running"], m["conveyor:num_requests_waiting"],
+                       m["conveyor:kv_cache_usage_perc"], feed["settings"]["num_kv_pages"],
+                       httpx.get(f"{base_url}/health", timeout=30).status_code, rss_mib(pid),
+                       {k.split(":", 2)[-1]: v for k, v in m.items()
+                        if k.startswith("conveyor:request_success_total:")})
+
+
+def _is_openai_error(response: httpx.Response) -> bool:
+    try:
+        error = response.json()["error"]
+    except (ValueError, KeyError, TypeError):
+        return False
+    return isinstance(error, dict) and {"message", "type", "param", "code"} <= set(error)
+
+
+async def _send(http: httpx.AsyncClient, path: str, body: dict | str, stream: bool,
+                cut_after: int | None = None) -> Outcome:
+    """One request; ``cut_after``: leave after that many stream events (a client that goes)."""
+    t0 = time.monotonic()
+    kwargs = {"json": body} if isinstance(body, dict) else {
+        "content": body, "headers": {"Content-Type": "application/json"}}
+    try:
+        async with http.stream("POST", path, **kwargs) as r:
+            if r.status_code != 200:
+                await r.aread()
+                kind = "refused" if r.status_code in (429, 503) else (
+                    "rejected" if 400 <= r.status_code < 500 else "failed")
+                if not _is_openai_error(r):
+                    kind, detail = "failed", f"not OpenAI's error shape: {r.text[:200]}"
+                else:
+                    detail = r.json()["error"]["code"] or ""
+                return Outcome(kind, r.status_code, time.monotonic() - t0, detail)
+            if not stream:
+                if cut_after is not None:
+                    return Outcome("disconnected", 200, time.monotonic() - t0)
+                data = json.loads(await r.aread())
+                ok = data["choices"] and all(c["finish_reason"] for c in data["choices"])
+                return Outcome("completed" if ok else "failed", 200, time.monotonic() - t0,
+                               "" if ok else f"unfinished: {data}")
+            events, done, error = 0, False, None
+            async for line in r.aiter_lines():
+                if not line:
+                    continue
+                if line == "data: [DONE]":
+                    done = True
+                    break
+                events += 1
+                error = json.loads(line.removeprefix("data: ")).get("error") or error
+                if cut_after is not None and events >= cut_after:
+                    return Outcome("disconnected", 200, time.monotonic() - t0)
+            ok = done and error is None
+            return Outcome("completed" if ok else "failed", 200, time.monotonic() - t0,
+                           "" if ok else f"stream ended without [DONE] or with {error}")
+    except httpx.TimeoutException:
+        if cut_after is not None:  # the client gave up on purpose
+            return Outcome("disconnected", None, time.monotonic() - t0)
+        return Outcome("failed", None, time.monotonic() - t0, "client timeout")
+    except httpx.HTTPError as e:
+        return Outcome("failed", None, time.monotonic() - t0, f"{type(e).__name__}: {e}")
+
+
+def _body(endpoint: str, prompt: str, max_tokens: int, stream: bool) -> dict:
+    common = {"max_tokens": max_tokens, "stream": stream, "temperature": 0,
+              "ignore_eos": True}
+    if endpoint == "/v1/chat/completions":
+        return {"messages": [{"role": "user", "content": prompt}], **common}
+    return {"prompt": prompt, **common}
+
+
+async def run_overload(base_url: str, headers: dict, num_streams: int, max_tokens: int
+                       ) -> list[Outcome]:
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=0)
+    async with httpx.AsyncClient(base_url=base_url, headers=headers, limits=limits,
+                                 timeout=httpx.Timeout(600.0)) as http:
+        return await asyncio.gather(*(
+            _send(http, "/v1/completions", _body("/v1/completions", PROMPTS[i % len(PROMPTS)],
+                                                 max_tokens, True), True)
+            for i in range(num_streams)))
+
+
+async def run_soak(base_url: str, headers: dict, num_requests: int, concurrency: int,
+                   disconnect_share: float, bad_share: float, max_tokens: int, seed: int,
+                   checkpoint: int, at_checkpoint) -> list[Outcome]:
+    """``at_checkpoint()`` runs once, when ``checkpoint`` requests have finished."""
+    rng = random.Random(seed)
+    plan = []  # (kind, path, body, stream, stream events before leaving)
+    for _ in range(num_requests):
+        roll = rng.random()
+        endpoint = rng.choice(["/v1/completions", "/v1/chat/completions"])
+        stream = rng.random() < 0.5
+        body = _body(endpoint, rng.choice(PROMPTS), rng.randint(1, max_tokens), stream)
+        if roll < bad_share:
+            plan.append(("bad", *rng.choice(BAD_BODIES), False, None))
+        elif roll < bad_share + disconnect_share:  # leaves at a random point
+            plan.append(("cut", endpoint, body, stream, rng.randint(1, max_tokens)))
+        else:
+            plan.append(("good", endpoint, body, stream, None))
+    outcomes: list[Outcome] = []
+    queue: asyncio.Queue = asyncio.Queue()
+    for item in plan:
+        queue.put_nowait(item)
+
+    async def client(http: httpx.AsyncClient) -> None:
+        while not queue.empty():
+            kind, path, body, stream, cut = queue.get_nowait()
+            if kind == "cut" and not stream:  # a non-streamed request left mid-way
+                try:
+                    await asyncio.wait_for(_send(http, path, body, False),
+                                           rng.uniform(0.01, 0.5))
+                    outcome = Outcome("disconnected", 200, 0.0, "finished before leaving")
+                except TimeoutError:
+                    outcome = Outcome("disconnected", None, 0.0)
+            else:
+                outcome = await _send(http, path, body, stream, cut)
+            if kind == "bad" and outcome.kind == "rejected":
+                outcome.detail = f"intended: {outcome.detail}"
+            elif kind == "bad":
+                outcome = Outcome("failed", outcome.status, outcome.seconds,
+                                  f"a bad request was not refused with a 4xx: {outcome}")
+            outcomes.append(outcome)
+            if len(outcomes) == checkpoint:
+                await asyncio.to_thread(at_checkpoint)
+
+    limits = httpx.Limits(max_connections=concurrency)
+    async with httpx.AsyncClient(base_url=base_url, headers=headers, limits=limits,
+                                 timeout=httpx.Timeout(600.0)) as http:
+        await asyncio.gather(*(client(http) for _ in range(concurrency)))
+    return outcomes
+
+
+def _percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q / 100 * len(ordered)))]
+
+
+def summary(outcomes: list[Outcome]) -> dict:
+    kinds = Counter(o.kind for o in outcomes)
+    refusals = [o.seconds for o in outcomes if o.kind == "refused"]
+    return {
+        "sent": len(outcomes),
+        "outcomes": dict(kinds),
+        "refused_by_code": dict(Counter(str(o.status) for o in outcomes if o.kind == "refused")),
+        "rejected_by_code": dict(Counter(str(o.status) for o in outcomes
+                                         if o.kind == "rejected")),
+        "refusal_seconds_p50": _percentile(refusals, 50),
+        "refusal_seconds_p99": _percentile(refusals, 99),
+        "failures": [f"{o.status} {o.detail}" for o in outcomes if o.kind == "failed"][:20],
+    }
+
+
+def _server(args: argparse.Namespace, default_flags: str):
+    if args.base_url:
+        return None
+    flags = shlex.split(args.server_args if args.server_args is not None else default_flags)
+    with tempfile.NamedTemporaryFile(suffix=".log", prefix="conveyor-stress-", delete=False) as f:
+        return ConveyorServer(flags, f.name)
+
+
+def _report(result: dict) -> None:
+    print(json.dumps(result, indent=2, default=str))
+
+
+def overload(args: argparse.Namespace) -> None:
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    server = _server(args, "--max-num-seqs 32 --max-queue-len 64")
+    with server or nullcontext():
+        base_url = args.base_url or server.base_url
+        pid = server.proc.pid if server else None
+        t0 = time.monotonic()
+        outcomes = asyncio.run(run_overload(base_url, headers, args.num_streams,
+                                            args.max_tokens))
+        elapsed = time.monotonic() - t0
+        after = server_state(base_url, headers, pid)
+    result = {"mode": "overload", "seconds": round(elapsed, 1), **summary(outcomes),
+              "after": after.__dict__ | {"pages_in_use": after.pages_in_use}}
+    _report(result)
+    ok = (after.running == after.waiting == after.pages_in_use == 0 and after.health == 200
+          and not result["outcomes"].get("failed"))
+    print(f"overload: {'PASS' if ok else 'FAIL'}: {args.num_streams} streams, "
+          f"{result['outcomes']}, refusal p99 {result['refusal_seconds_p99']:.3f} s, "
+          f"{after.pages_in_use} pages in use after, /health {after.health}")
+
+
+def soak(args: argparse.Namespace) -> None:
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    server = _server(args, "--max-num-seqs 32")
+    with server or nullcontext():
+        base_url = args.base_url or server.base_url
+        pid = server.proc.pid if server else None
+        rss: dict[str, float | None] = {"start": rss_mib(pid)}
+        t0 = time.monotonic()
+        outcomes = asyncio.run(run_soak(
+            base_url, headers, args.num_requests, args.concurrency, args.disconnect_share,
+            args.bad_share, args.max_tokens, args.seed, min(args.checkpoint, args.num_requests),
+            lambda: rss.__setitem__("checkpoint", rss_mib(pid))))
+        elapsed = time.monotonic() - t0
+        after = server_state(base_url, headers, pid)
+    growth = (after.rss_mib / rss["checkpoint"] - 1) if after.rss_mib and rss.get(
+        "checkpoint") else None
+    result = {"mode": "soak", "seconds": round(elapsed, 1), **summary(outcomes),
+              "rss_mib_start": rss["start"], "rss_mib_checkpoint": rss.get("checkpoint"),
+              "checkpoint": args.checkpoint, "rss_growth_after_checkpoint": growth,
+              "after": after.__dict__ | {"pages_in_use": after.pages_in_use}}
+    _report(result)
+    ok = (after.running == after.waiting == after.pages_in_use == 0 and after.health == 200
+          and not result["outcomes"].get("failed") and (growth is None or growth < 0.05))
+    print(f"soak: {'PASS' if ok else 'FAIL'}: {args.num_requests} requests, "
+          f"{result['outcomes']}, {after.pages_in_use} pages in use after, resident memory "
+          f"{rss.get('checkpoint')} MiB after {args.checkpoint} -> {after.rss_mib} MiB at the end")
+
+
+def _common_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--base-url", default=None,
+                   help="a running server (default: start conveyor serve with --server-args)")
+    p.add_argument("--server-args", default=None, help="flags for the conveyor serve started")
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--max-tokens", type=int, default=8)
+
+
+def add_overload_args(p: argparse.ArgumentParser) -> None:
+    _common_args(p)
+    p.add_argument("--num-streams", type=int, default=640)
+
+
+def add_soak_args(p: argparse.ArgumentParser) -> None:
+    _common_args(p)
+    p.add_argument("--num-requests", type=int, default=10_000)
+    p.add_argument("--concurrency", type=int, default=32)
+    p.add_argument("--disconnect-share", type=float, default=0.10)
+    p.add_argument("--bad-share", type=float, default=0.05)
+    p.add_argument("--checkpoint", type=int, default=1000,
+                   help="resident memory is compared with its value after this many requests")
+    p.add_argument("--seed", type=int, default=0)
+
