@@ -14,7 +14,13 @@ import safetensors.torch
 import torch
 import transformers
 from gguf.quants import dequantize
-from tiny_models import LLAMA3_ROPE_SCALING, conveyor_state_dict, hf_to_conveyor_name, make_tiny_model
+from tiny_models import (
+    LLAMA3_ROPE_SCALING,
+    conveyor_state_dict,
+    hf_to_conveyor_name,
+    make_tiny_model,
+    write_gguf,
+)
 from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor, load_gguf_checkpoint
 
 from conveyor.model.config import ModelConfig
@@ -92,68 +98,12 @@ def test_gguf_tokenizer_cache(default_gguf_path: str, tmp_path: Path, monkeypatc
     assert (cached.eos_token_id, cached.bos_token_id) == (fresh.eos_token_id, fresh.bos_token_id)
 
 
-_HF_TO_GGUF = [
-    ("model.embed_tokens.", "token_embd."),
-    ("model.norm.", "output_norm."),
-    ("lm_head.", "output."),
-    ("model.layers.", "blk."),
-    ("input_layernorm.", "attn_norm."),
-    ("post_attention_layernorm.", "ffn_norm."),
-    ("self_attn.q_proj.", "attn_q."),
-    ("self_attn.k_proj.", "attn_k."),
-    ("self_attn.v_proj.", "attn_v."),
-    ("self_attn.o_proj.", "attn_output."),
-    ("self_attn.q_norm.", "attn_q_norm."),
-    ("self_attn.k_norm.", "attn_k_norm."),
-    ("mlp.gate_proj.", "ffn_gate."),
-    ("mlp.up_proj.", "ffn_up."),
-    ("mlp.down_proj.", "ffn_down."),
-]
-
-
-def _llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
-    """What llama.cpp's convert_hf_to_gguf.py does to llama q/k rows."""
-    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
-def _write_gguf(path: str, model: transformers.PreTrainedModel) -> None:
-    """An F32 GGUF (no tokenizer) of a tiny transformers model, laid out as llama.cpp's converter would."""
-    c = model.config
-    arch = c.model_type
-    writer = gguf.GGUFWriter(path, arch)
-    writer.add_block_count(c.num_hidden_layers)
-    writer.add_context_length(c.max_position_embeddings)
-    writer.add_embedding_length(c.hidden_size)
-    writer.add_feed_forward_length(c.intermediate_size)
-    writer.add_head_count(c.num_attention_heads)
-    writer.add_head_count_kv(c.num_key_value_heads)
-    if getattr(c, "head_dim", None) is not None:  # Qwen2Config has none: the loader falls back to hidden / heads
-        writer.add_key_length(c.head_dim)
-    writer.add_layer_norm_rms_eps(c.rms_norm_eps)
-    writer.add_rope_freq_base(c.rope_parameters["rope_theta"])
-    for name, tensor in model.state_dict().items():
-        if name == "lm_head.weight" and c.tie_word_embeddings:
-            continue
-        w = tensor.numpy()
-        if arch == "llama" and "q_proj" in name:
-            w = _llama_cpp_permute(w, c.num_attention_heads)
-        elif arch == "llama" and "k_proj" in name:
-            w = _llama_cpp_permute(w, c.num_key_value_heads)
-        for old, new in _HF_TO_GGUF:
-            name = name.replace(old, new)
-        writer.add_tensor(name, np.ascontiguousarray(w))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-
-
 @pytest.mark.parametrize("arch,tied", [("llama", False), ("qwen2", True), ("qwen3", False)])
 def test_gguf_config_and_weights_roundtrip(arch: str, tied: bool, tmp_path: Path) -> None:
     """qwen2 biases, qwen3 q/k norms and head_dim, and the llama permutation survive a GGUF round trip."""
     model = make_tiny_model(arch, tie_word_embeddings=tied)
     path = str(tmp_path / f"tiny-{arch}.gguf")
-    _write_gguf(path, model)
+    write_gguf(path, model)
     reader = gguf.GGUFReader(path)
     config = gguf_config(reader)
     assert (config.architecture, config.vocab_size, config.num_layers) == (arch, 49152, 2)

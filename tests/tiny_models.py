@@ -1,4 +1,5 @@
-"""Tiny random Hugging Face checkpoints for tests, plus an independent HF -> conveyor weight renaming."""
+"""Tiny random Hugging Face checkpoints and GGUF files for tests, plus an independent HF -> conveyor
+weight renaming."""
 
 from __future__ import annotations
 
@@ -7,8 +8,11 @@ import functools
 import os
 from typing import Any
 
+import gguf
+import numpy as np
 import torch
 import transformers
+from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from conveyor.model.gguf_file import load_gguf_tokenizer
 from conveyor.model.loader import default_model_path
@@ -111,3 +115,87 @@ def make_tiny_checkpoint(folder: str | os.PathLike[str], arch: str, **overrides:
     make_tiny_model(arch, **overrides).save_pretrained(folder)
     smollm2_tokenizer().save_pretrained(folder)
     return folder
+
+
+_HF_TO_GGUF = [
+    ("model.embed_tokens.", "token_embd."),
+    ("model.norm.", "output_norm."),
+    ("lm_head.", "output."),
+    ("model.layers.", "blk."),
+    ("input_layernorm.", "attn_norm."),
+    ("post_attention_layernorm.", "ffn_norm."),
+    ("self_attn.q_proj.", "attn_q."),
+    ("self_attn.k_proj.", "attn_k."),
+    ("self_attn.v_proj.", "attn_v."),
+    ("self_attn.o_proj.", "attn_output."),
+    ("self_attn.q_norm.", "attn_q_norm."),
+    ("self_attn.k_norm.", "attn_k_norm."),
+    ("mlp.gate_proj.", "ffn_gate."),
+    ("mlp.up_proj.", "ffn_up."),
+    ("mlp.down_proj.", "ffn_down."),
+]
+
+# A byte-level BPE small enough that transformers converts it from GGUF metadata in well under a
+# second (SmolLM2's 49152 tokens take seconds): the 256 bytes, a few merges, one end token.
+_TINY_MERGES = ["Ġ t", "h e", "Ġt he", "i n", "Ġ a", "e r", "o n", "r e", "Ġ c", "a t", "Ġ i",
+                "i s", "Ġ o", "o f"]
+_TINY_EOS = "<|endoftext|>"
+TINY_VOCAB = [*bytes_to_unicode().values(), *(m.replace(" ", "") for m in _TINY_MERGES), _TINY_EOS]
+
+
+def _llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """What llama.cpp's convert_hf_to_gguf.py does to llama q/k rows."""
+    rows = w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
+    return rows.swapaxes(1, 2).reshape(w.shape)
+
+
+def write_gguf(path: str, model: transformers.PreTrainedModel, *,
+               types: dict[str, gguf.GGMLQuantizationType] | None = None,
+               tokenizer: bool = False) -> str:
+    """A GGUF of a tiny transformers model, laid out as llama.cpp's converter would; returns path.
+
+    types: ggml type by GGUF tensor kind (``"attn_q"``, ``"token_embd"``...) for 2-D weights,
+    F32 otherwise. tokenizer: add TINY_VOCAB as a byte-level BPE (the model's vocab_size must be
+    len(TINY_VOCAB)), so that ``load_model`` can load the file.
+    """
+    c = model.config
+    arch = c.model_type
+    writer = gguf.GGUFWriter(path, arch)
+    writer.add_block_count(c.num_hidden_layers)
+    writer.add_context_length(c.max_position_embeddings)
+    writer.add_embedding_length(c.hidden_size)
+    writer.add_feed_forward_length(c.intermediate_size)
+    writer.add_head_count(c.num_attention_heads)
+    writer.add_head_count_kv(c.num_key_value_heads)
+    # Qwen2Config has no head_dim: the loader falls back to hidden / heads
+    if getattr(c, "head_dim", None) is not None:
+        writer.add_key_length(c.head_dim)
+    writer.add_layer_norm_rms_eps(c.rms_norm_eps)
+    writer.add_rope_freq_base(c.rope_parameters["rope_theta"])
+    if tokenizer:
+        assert c.vocab_size == len(TINY_VOCAB), "make the model with vocab_size=len(TINY_VOCAB)"
+        writer.add_tokenizer_model("gpt2")
+        writer.add_token_list(TINY_VOCAB)
+        writer.add_token_types([1] * (len(TINY_VOCAB) - 1) + [3])  # 3: control
+        writer.add_token_merges(_TINY_MERGES)
+        writer.add_eos_token_id(len(TINY_VOCAB) - 1)
+    for name, tensor in model.state_dict().items():
+        if name == "lm_head.weight" and c.tie_word_embeddings:
+            continue
+        w = tensor.numpy()
+        if arch == "llama" and "q_proj" in name:
+            w = _llama_cpp_permute(w, c.num_attention_heads)
+        elif arch == "llama" and "k_proj" in name:
+            w = _llama_cpp_permute(w, c.num_key_value_heads)
+        for old, new in _HF_TO_GGUF:
+            name = name.replace(old, new)
+        qtype = (types or {}).get(name.split(".")[-2], gguf.GGMLQuantizationType.F32)
+        if w.ndim == 2 and qtype != gguf.GGMLQuantizationType.F32:
+            writer.add_tensor(name, gguf.quants.quantize(w, qtype), raw_dtype=qtype)
+        else:
+            writer.add_tensor(name, np.ascontiguousarray(w))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path

