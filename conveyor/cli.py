@@ -150,7 +150,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     try:
         args.handler(args)
-    except (ValueError, FileNotFoundError, RuntimeError) as e:
+    except (ValueError, OSError, RuntimeError) as e:
         print(f"conveyor: error: {e}", file=sys.stderr)
         sys.exit(2)
 
