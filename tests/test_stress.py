@@ -48,3 +48,4 @@ def test_soak_with_disconnects_and_bad_requests_loses_nothing(server):
     assert set(result["rejected_by_code"]) <= {"400", "404", "413"}
     after = idle_and_whole(server)
     assert after.rss_mib < 1.05 * rss["checkpoint"], (rss, after.rss_mib)
+    assert "Traceback" not in server.log() and " ERROR " not in server.log()

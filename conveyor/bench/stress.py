@@ -258,7 +258,13 @@ def _server(args: argparse.Namespace, default_flags: str):
         return ConveyorServer(flags, f.name)
 
 
-def _report(result: dict) -> None:
+def _report(result: dict, server: ConveyorServer | None) -> None:
+    if server is not None:  # "no error other than the intended ones", the server's side
+        with open(server.log_path) as f:
+            lines = f.read().splitlines()
+        errors = [line for line in lines if " ERROR " in line or " CRITICAL " in line]
+        result["server_log_errors"] = len(errors)
+        result["server_log_first_errors"] = errors[:5]
     print(json.dumps(result, indent=2, default=str))
 
 
@@ -275,9 +281,9 @@ def overload(args: argparse.Namespace) -> None:
         after = server_state(base_url, headers, pid)
     result = {"mode": "overload", "seconds": round(elapsed, 1), **summary(outcomes),
               "after": after.__dict__ | {"pages_in_use": after.pages_in_use}}
-    _report(result)
+    _report(result, server)
     ok = (after.running == after.waiting == after.pages_in_use == 0 and after.health == 200
-          and not result["outcomes"].get("failed"))
+          and not result["outcomes"].get("failed") and not result.get("server_log_errors"))
     print(f"overload: {'PASS' if ok else 'FAIL'}: {args.num_streams} streams, "
           f"{result['outcomes']}, refusal p99 {result['refusal_seconds_p99']:.3f} s, "
           f"{after.pages_in_use} pages in use after, /health {after.health}")
@@ -303,9 +309,10 @@ def soak(args: argparse.Namespace) -> None:
               "rss_mib_start": rss["start"], "rss_mib_checkpoint": rss.get("checkpoint"),
               "checkpoint": args.checkpoint, "rss_growth_after_checkpoint": growth,
               "after": after.__dict__ | {"pages_in_use": after.pages_in_use}}
-    _report(result)
+    _report(result, server)
     ok = (after.running == after.waiting == after.pages_in_use == 0 and after.health == 200
-          and not result["outcomes"].get("failed") and (growth is None or growth < 0.05))
+          and not result["outcomes"].get("failed") and not result.get("server_log_errors")
+          and (growth is None or growth < 0.05))
     print(f"soak: {'PASS' if ok else 'FAIL'}: {args.num_requests} requests, "
           f"{result['outcomes']}, {after.pages_in_use} pages in use after, resident memory "
           f"{rss.get('checkpoint')} MiB after {args.checkpoint} -> {after.rss_mib} MiB at the end")

@@ -114,10 +114,10 @@ async def collect(raw: Request, submission: Submission, count: int
         await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
     finally:
         watch.cancel()
-        if not work.done():
+        if not work.done():  # the client left (or the handler was cancelled) first
             work.cancel()
             submission.abort()
-    if work.cancelled():
+    if not work.done() or work.cancelled():  # a cancelled task is done only a tick later
         return None
     if work.exception() is not None:
         raise engine_failure(work.exception())
