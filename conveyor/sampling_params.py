@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 _GREEDY_EPS = 1e-5
+_SEEDS = range(-2**63, 2**63 - 2**16)  # torch takes 64-bit seeds; sample i draws seed + i
 
 
 @dataclass
@@ -46,7 +47,8 @@ class SamplingParams:
               "must be an integer >= 1")
         check(isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= self.max_tokens,
               "min_tokens", "must be an integer in [0, max_tokens]")
-        check(self.seed is None or isinstance(self.seed, int), "seed", "must be an integer or None")
+        check(self.seed is None or (isinstance(self.seed, int) and self.seed in _SEEDS), "seed",
+              f"must be None or an integer in [{_SEEDS.start}, {_SEEDS.stop})")
         check(self.logprobs is None or (isinstance(self.logprobs, int) and self.logprobs >= 0),
               "logprobs", "must be None or an integer >= 0")
         check(-2 <= self.presence_penalty <= 2, "presence_penalty", "must be in [-2, 2]")

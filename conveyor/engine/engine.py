@@ -75,6 +75,16 @@ class _RequestState:
         return all(s.request.is_finished for s in self.samples)
 
 
+def _check_text(text: str, what: str) -> None:
+    """JSON can carry lone surrogates (\\ud800), which are not text: the tokenizer refuses them
+    with a TypeError deep inside."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{what} is not valid Unicode: a lone surrogate at character "
+                         f"{e.start}") from e
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -123,6 +133,7 @@ class LLMEngine:
     # -- requests ------------------------------------------------------------------------------
     def tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
+            _check_text(prompt, "prompt")
             return prompt, self.tokenizer.encode(prompt)
         if isinstance(prompt, dict):
             if "prompt_token_ids" not in prompt:
@@ -142,6 +153,8 @@ class LLMEngine:
         vocab = self.model_config.vocab_size
         if any(t < 0 or t >= vocab for t in ids):
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        if any(t >= vocab for t in params.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be in [0, {vocab})")
         if len(ids) + params.max_tokens > self.max_model_len:
             raise ValueError(
                 f"prompt ({len(ids)} tokens) plus max_tokens ({params.max_tokens}) exceeds "
@@ -163,6 +176,7 @@ class LLMEngine:
                 raise ValueError(f"each message needs a role in {CHAT_ROLES}, got {m!r}")
             if not isinstance(m.get("content"), str):
                 raise ValueError(f"message content must be a string, got {m.get('content')!r}")
+            _check_text(m["content"], "message content")
         if not self.tokenizer.chat_template:
             raise ValueError(f"model {self.model_name} has no chat template")
         return self.tokenizer.encode(self._render_chat(messages, add_generation_prompt),

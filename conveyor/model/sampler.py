@@ -148,7 +148,7 @@ class Sampler:
                              dtype=torch.float32, device=dev)
         logits = logits / temps.unsqueeze(1)
 
-        top_k = [p.top_k if p.top_k > 0 else V for p in params]
+        top_k = [min(p.top_k, V) if p.top_k > 0 else V for p in params]
         top_p = [p.top_p for p in params]
         if any(k < V for k in top_k) or any(p < 1 for p in top_p):
             sorted_logits, order = logits.sort(dim=-1, descending=True)

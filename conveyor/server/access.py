@@ -44,15 +44,16 @@ class ApiKeyGuard:
 
     def __init__(self, app: ASGIApp, api_key: str | None, dashboard_open: bool) -> None:
         self.app = app
-        self.expected = None if api_key is None else f"Bearer {api_key}".encode()
+        self.expected = None if api_key is None else api_key.encode()
         self.dashboard_open = dashboard_open
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
             return await self.app(scope, receive, send)
         if self.expected is not None:
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(given, self.expected):
+            scheme, _, given = dict(scope["headers"]).get(b"authorization", b"").partition(b" ")
+            if scheme.lower() != b"bearer" or not hmac.compare_digest(given.strip(),
+                                                                       self.expected):
                 return await _answer(send, APIError(
                     401, "missing or incorrect API key: send it as 'Authorization: Bearer KEY'",
                     None, "invalid_api_key", {"WWW-Authenticate": "Bearer"}))
