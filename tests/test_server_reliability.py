@@ -210,6 +210,6 @@ def test_a_dead_engine_fails_its_clients_says_503_and_exits_1(faulty):
     try:  # at once, while the process is still up
         assert error_of(httpx.get(f"{faulty.base_url}/health"), 503)["code"] == "engine_dead"
     except httpx.TransportError:
-        assert faulty.proc.poll() is not None  # already gone
+        pass  # already shutting down: no longer listening
     assert faulty.proc.wait(40) == 1
     assert "the engine thread died" in faulty.log()

@@ -167,15 +167,40 @@ def _body(endpoint: str, prompt: str, max_tokens: int, stream: bool) -> dict:
     return {"prompt": prompt, **common}
 
 
+async def _raw_stream(host: str, port: int, headers: dict, body: dict) -> Outcome:
+    """One streamed completion over a bare socket: hundreds of them at once cost an httpx
+    client more CPU than the server's answers, which would time the client, not the server."""
+    t0 = time.monotonic()
+    payload = json.dumps(body).encode()
+    head = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
+    try:
+        reader, writer = await asyncio.open_connection(host, port)
+        writer.write(f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n"
+                     f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\n"
+                     f"{head}\r\n".encode() + payload)
+        await writer.drain()
+        status = int((await reader.readline()).split()[1])
+        seconds = time.monotonic() - t0
+        rest = (await reader.read()).decode(errors="replace")  # the server closes when done
+        writer.close()
+    except (OSError, ValueError, IndexError) as e:
+        return Outcome("failed", None, time.monotonic() - t0, f"{type(e).__name__}: {e}")
+    text = rest.partition("\r\n\r\n")[2]
+    if status in (429, 503):
+        kind = "refused" if '"error"' in text and '"code"' in text else "failed"
+        return Outcome(kind, status, seconds, text[-200:] if kind == "failed" else "")
+    if status == 200 and "data: [DONE]" in text and '"error"' not in text:
+        return Outcome("completed", status, time.monotonic() - t0)
+    return Outcome("failed", status, time.monotonic() - t0, text[-200:])
+
+
 async def run_overload(base_url: str, headers: dict, num_streams: int, max_tokens: int
                        ) -> list[Outcome]:
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=0)
-    async with httpx.AsyncClient(base_url=base_url, headers=headers, limits=limits,
-                                 timeout=httpx.Timeout(600.0)) as http:
-        return await asyncio.gather(*(
-            _send(http, "/v1/completions", _body("/v1/completions", PROMPTS[i % len(PROMPTS)],
-                                                 max_tokens, True), True)
-            for i in range(num_streams)))
+    url = httpx.URL(base_url)
+    return await asyncio.gather(*(
+        _raw_stream(url.host, url.port, headers, _body(
+            "/v1/completions", PROMPTS[i % len(PROMPTS)], max_tokens, True))
+        for i in range(num_streams)))
 
 
 async def run_soak(base_url: str, headers: dict, num_requests: int, concurrency: int,

@@ -9,6 +9,8 @@ from __future__ import annotations
 import hmac
 import ipaddress
 
+from collections.abc import Callable
+
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from conveyor.server.errors import APIError
@@ -106,3 +108,23 @@ class BodyLimit:
 
         await self.app(scope, replay, send)
 
+
+
+class AdmissionGate:
+    """Refuse a generation request at once when the server would refuse it anyway (queue full,
+    too many in flight, engine dead), before its body is read, parsed and tokenized: under a
+    burst of hundreds that work is most of what a refusal costs. Requests that pass are still
+    counted exactly when queued."""
+
+    def __init__(self, app: ASGIApp, paths: tuple[str, ...],
+                 refusal: Callable[[], APIError | None]) -> None:
+        self.app = app
+        self.paths = paths
+        self.refusal = refusal
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST" and scope["path"] in self.paths:
+            error = self.refusal()
+            if error is not None:
+                return await _answer(send, error)
+        await self.app(scope, receive, send)

@@ -12,7 +12,8 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from conveyor import __version__
 from conveyor.kernels import isa
-from conveyor.server.access import DEFAULT_MAX_BODY_BYTES, ApiKeyGuard, BodyLimit
+from conveyor.server.access import (DEFAULT_MAX_BODY_BYTES, AdmissionGate, ApiKeyGuard,
+                                    BodyLimit)
 from conveyor.server.chat import create_chat_completion
 from conveyor.server.completions import create_completion
 from conveyor.server.dashboard import dashboard_router, mount_static
@@ -21,7 +22,7 @@ from conveyor.server.errors import APIError, install_error_handlers
 from conveyor.server.protocol import (ChatCompletionRequest, ChatCompletionResponse,
                                       CompletionRequest, CompletionResponse, EngineSteps,
                                       ErrorResponse, ModelCard, ModelList, VersionInfo)
-from conveyor.server.serving import ServerState
+from conveyor.server.serving import ServerState, refusal_error
 
 logger = logging.getLogger("conveyor.server")
 
@@ -56,8 +57,16 @@ def build_app(state: ServerState, ready_message: str = "", api_key: str | None =
     install_error_handlers(app)
     app.include_router(dashboard_router(state))
     mount_static(app)
+    def refusal() -> APIError | None:
+        why = state.engine_thread.refusal()
+        return None if why is None else refusal_error(why)
+
+    # added innermost first: the key, then the gate (for callers with the key), then the
+    # size limit, which is the first to read a body
+    app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
+    app.add_middleware(AdmissionGate, paths=("/v1/completions", "/v1/chat/completions"),
+                       refusal=refusal)
     app.add_middleware(ApiKeyGuard, api_key=api_key, dashboard_open=dashboard_open)
-    app.add_middleware(BodyLimit, max_bytes=max_body_bytes)  # outermost: before anything reads
 
     @app.get("/health", summary="200 while the engine serves; 503 once it has died")
     async def health() -> Response:

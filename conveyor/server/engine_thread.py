@@ -202,17 +202,9 @@ class EngineThread:
         ``max_concurrent_requests`` open submissions, QueueFull when ``max_queue_len`` wait,
         EngineDead once the engine thread has died."""
         with self._lock:
-            if self.death is not None:
-                raise EngineDead(self.death)
-            if (self.max_concurrent_requests is not None
-                    and self._num_open >= self.max_concurrent_requests):
-                raise TooManyRequests(f"{self._num_open} requests are in flight "
-                                      f"(--max-concurrent-requests "
-                                      f"{self.max_concurrent_requests})")
-            if (self.max_queue_len is not None
-                    and self._num_pending + self._num_waiting >= self.max_queue_len):
-                raise QueueFull(f"{self._num_pending + self._num_waiting} requests are waiting "
-                                f"(--max-queue-len {self.max_queue_len})")
+            refusal = self.refusal()
+            if refusal is not None:
+                raise refusal
             self._num_pending += len(requests)
             self._num_open += 1
             # queued under the lock: a dying engine thread either sees these or we see it dead
@@ -222,6 +214,21 @@ class EngineThread:
             for r in requests:
                 self._inbox.put(_Add(r, loop, submission, now))
         return submission
+
+    def refusal(self) -> Exception | None:
+        """Why a new request would be refused now, if it would (read without the lock, it is
+        a hint: the server's gate answers a burst with it before parsing any body)."""
+        if self.death is not None:
+            return EngineDead(self.death)
+        if (self.max_concurrent_requests is not None
+                and self._num_open >= self.max_concurrent_requests):
+            return TooManyRequests(f"{self._num_open} requests are in flight "
+                                   f"(--max-concurrent-requests {self.max_concurrent_requests})")
+        if (self.max_queue_len is not None
+                and self._num_pending + self._num_waiting >= self.max_queue_len):
+            return QueueFull(f"{self._num_pending + self._num_waiting} requests are waiting "
+                             f"(--max-queue-len {self.max_queue_len})")
+        return None
 
     def _close(self) -> None:
         with self._lock:

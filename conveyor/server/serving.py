@@ -71,14 +71,19 @@ class ServerState:
             return request_id, self.engine_thread.submit(
                 [EngineRequest(i, p, params, priority) for i, p in zip(ids, prompts)],
                 min(limits) if limits else None)
-        except TooManyRequests as e:
-            raise APIError(429, f"too many requests at once: {e}; retry later", None,
-                           "too_many_requests", {"Retry-After": str(RETRY_AFTER_S)}) from e
-        except QueueFull as e:
-            raise APIError(503, f"the server is overloaded: {e}; retry later", None,
-                           "queue_full", {"Retry-After": str(RETRY_AFTER_S)}) from e
-        except EngineDead as e:
-            raise engine_failure(e) from e
+        except (TooManyRequests, QueueFull, EngineDead) as e:
+            raise refusal_error(e) from e
+
+
+def refusal_error(exc: Exception) -> APIError:
+    """What a refused request is answered: 429 or 503 with Retry-After, or 503 once dead."""
+    if isinstance(exc, TooManyRequests):
+        return APIError(429, f"too many requests at once: {exc}; retry later", None,
+                        "too_many_requests", {"Retry-After": str(RETRY_AFTER_S)})
+    if isinstance(exc, QueueFull):
+        return APIError(503, f"the server is overloaded: {exc}; retry later", None,
+                        "queue_full", {"Retry-After": str(RETRY_AFTER_S)})
+    return engine_failure(exc)
 
 
 def engine_failure(exc: Exception) -> APIError:
