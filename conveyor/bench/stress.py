@@ -293,6 +293,13 @@ def _report(result: dict, server: ConveyorServer | None) -> None:
     print(json.dumps(result, indent=2, default=str))
 
 
+def _clean(after: ServerState, result: dict) -> bool:
+    """Nothing runs, waits or holds a page, /health is 200, no request failed and the server
+    logged no error."""
+    return (after.running == after.waiting == after.pages_in_use == 0 and after.health == 200
+            and not result["outcomes"].get("failed") and not result.get("server_log_errors"))
+
+
 def overload(args: argparse.Namespace) -> None:
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     server = _server(args, "--max-num-seqs 32 --max-queue-len 64")
@@ -307,8 +314,7 @@ def overload(args: argparse.Namespace) -> None:
     result = {"mode": "overload", "seconds": round(elapsed, 1), **summary(outcomes),
               "after": after.__dict__ | {"pages_in_use": after.pages_in_use}}
     _report(result, server)
-    ok = (after.running == after.waiting == after.pages_in_use == 0 and after.health == 200
-          and not result["outcomes"].get("failed") and not result.get("server_log_errors"))
+    ok = _clean(after, result)
     print(f"overload: {'PASS' if ok else 'FAIL'}: {args.num_streams} streams, "
           f"{result['outcomes']}, refusal p99 {result['refusal_seconds_p99']:.3f} s, "
           f"{after.pages_in_use} pages in use after, /health {after.health}")
@@ -335,9 +341,7 @@ def soak(args: argparse.Namespace) -> None:
               "checkpoint": args.checkpoint, "rss_growth_after_checkpoint": growth,
               "after": after.__dict__ | {"pages_in_use": after.pages_in_use}}
     _report(result, server)
-    ok = (after.running == after.waiting == after.pages_in_use == 0 and after.health == 200
-          and not result["outcomes"].get("failed") and not result.get("server_log_errors")
-          and (growth is None or growth < 0.05))
+    ok = _clean(after, result) and (growth is None or growth < 0.05)
     print(f"soak: {'PASS' if ok else 'FAIL'}: {args.num_requests} requests, "
           f"{result['outcomes']}, {after.pages_in_use} pages in use after, resident memory "
           f"{rss.get('checkpoint')} MiB after {args.checkpoint} -> {after.rss_mib} MiB at the end")
