@@ -21,7 +21,7 @@ import shlex
 import tempfile
 import time
 from collections import Counter
-from contextlib import nullcontext
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import httpx
@@ -275,12 +275,17 @@ def summary(outcomes: list[Outcome]) -> dict:
     }
 
 
-def _server(args: argparse.Namespace, default_flags: str):
+@contextmanager
+def _target(args: argparse.Namespace, default_flags: str):
+    """(the server started, or None; its URL; its pid, or None) for the run inside."""
     if args.base_url:
-        return None
+        yield None, args.base_url, None
+        return
     flags = shlex.split(args.server_args if args.server_args is not None else default_flags)
     with tempfile.NamedTemporaryFile(suffix=".log", prefix="conveyor-stress-", delete=False) as f:
-        return ConveyorServer(flags, f.name)
+        server = ConveyorServer(flags, f.name)
+    with server:
+        yield server, server.base_url, server.proc.pid
 
 
 def _report(result: dict, server: ConveyorServer | None) -> None:
@@ -302,10 +307,7 @@ def _clean(after: ServerState, result: dict) -> bool:
 
 def overload(args: argparse.Namespace) -> None:
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    server = _server(args, "--max-num-seqs 32 --max-queue-len 64")
-    with server or nullcontext():
-        base_url = args.base_url or server.base_url
-        pid = server.proc.pid if server else None
+    with _target(args, "--max-num-seqs 32 --max-queue-len 64") as (server, base_url, pid):
         t0 = time.monotonic()
         outcomes = asyncio.run(run_overload(base_url, headers, args.num_streams,
                                             args.max_tokens))
@@ -322,10 +324,7 @@ def overload(args: argparse.Namespace) -> None:
 
 def soak(args: argparse.Namespace) -> None:
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    server = _server(args, "--max-num-seqs 32")
-    with server or nullcontext():
-        base_url = args.base_url or server.base_url
-        pid = server.proc.pid if server else None
+    with _target(args, "--max-num-seqs 32") as (server, base_url, pid):
         rss: dict[str, float | None] = {"start": rss_mib(pid)}
         t0 = time.monotonic()
         outcomes = asyncio.run(run_soak(
