@@ -4,24 +4,19 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
+
+from conveyor.bench.launcher import free_port
+from conveyor.bench.stress import parse_metrics
 
 SERVE = [sys.executable, "-m", "conveyor.cli", "serve"]
 # Small enough for 2 CPU cores; the pool holds 512 x 16 tokens.
 COMMON_ARGS = ["--num-kv-blocks", "512", "--max-model-len", "1024"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class ServerProcess:
@@ -67,12 +62,3 @@ class ServerProcess:
         return parse_metrics(text)
 
 
-def parse_metrics(text: str) -> dict[str, float]:
-    values: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            key = sample.name
-            if sample.name.endswith("request_success_total"):
-                key = f"{sample.name}:{sample.labels.get('finished_reason')}"
-            values[key] = values.get(key, 0.0) + sample.value
-    return values

@@ -321,9 +321,13 @@ class LLMEngine:
             else:
                 self.scheduler.finish_request(request, RequestStatus.FINISHED_STOPPED)
         if request.is_finished:
-            request.metrics.finished_time = now
-            self.timeline.leave(request, now)
-            self._live_samples.pop(request.request_id)
+            self._retire(request, now)
+
+    def _retire(self, request: Request, now: float) -> None:
+        """A finished sample leaves the batch's timeline and the engine's live samples."""
+        request.metrics.finished_time = now
+        self.timeline.leave(request, now)
+        self._live_samples.pop(request.request_id)
 
     def _fail(self, sample_id: str, error: str, now: float) -> _RequestState:
         """End every sample of the request this sample belongs to with ``error``. Its pages go
@@ -338,9 +342,7 @@ class LLMEngine:
                 request.status = RequestStatus.FINISHED_ERROR
             else:
                 self.scheduler.finish_request(request, RequestStatus.FINISHED_ERROR)
-            request.metrics.finished_time = now
-            self.timeline.leave(request, now)
-            self._live_samples.pop(request.request_id)
+            self._retire(request, now)
         logger.warning("request %s failed: %s", state.request_id, error)
         return state
 

@@ -1,4 +1,5 @@
-"""Who may call what, and how big a request may be: two ASGI middlewares in front of the app.
+"""Who may call what, how big a request may be, and whether the server would take it at all:
+three ASGI middlewares in front of the app.
 
 Plain ASGI rather than Starlette's ``BaseHTTPMiddleware``, which would buffer streamed responses
 and hide a client's disconnect from the handlers that watch for it.
@@ -8,7 +9,6 @@ from __future__ import annotations
 
 import hmac
 import ipaddress
-
 from collections.abc import Callable
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -107,7 +107,6 @@ class BodyLimit:
             return await receive()
 
         await self.app(scope, replay, send)
-
 
 
 class AdmissionGate:

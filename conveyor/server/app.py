@@ -18,11 +18,12 @@ from conveyor.server.chat import create_chat_completion
 from conveyor.server.completions import create_completion
 from conveyor.server.dashboard import dashboard_router, mount_static
 from conveyor.engine.engine import LLMEngine
+from conveyor.server.engine_thread import EngineDead
 from conveyor.server.errors import APIError, install_error_handlers
 from conveyor.server.protocol import (ChatCompletionRequest, ChatCompletionResponse,
                                       CompletionRequest, CompletionResponse, EngineSteps,
                                       ErrorResponse, ModelCard, ModelList, VersionInfo)
-from conveyor.server.serving import ServerState, refusal_error
+from conveyor.server.serving import ServerState, engine_failure, refusal_error
 
 logger = logging.getLogger("conveyor.server")
 
@@ -57,6 +58,7 @@ def build_app(state: ServerState, ready_message: str = "", api_key: str | None =
     install_error_handlers(app)
     app.include_router(dashboard_router(state))
     mount_static(app)
+
     def refusal() -> APIError | None:
         why = state.engine_thread.refusal()
         return None if why is None else refusal_error(why)
@@ -72,7 +74,7 @@ def build_app(state: ServerState, ready_message: str = "", api_key: str | None =
     async def health() -> Response:
         death = state.engine_thread.death
         if death is not None:
-            raise APIError(503, death, None, "engine_dead")
+            raise engine_failure(EngineDead(death))
         return Response(status_code=200)
 
     @app.get("/version")

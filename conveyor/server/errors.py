@@ -14,9 +14,10 @@ from conveyor.server.protocol import ErrorInfo, ErrorResponse
 
 logger = logging.getLogger("conveyor.server")
 
-_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error", 404: "not_found_error",
-          405: "invalid_request_error", 408: "timeout_error", 413: "invalid_request_error",
-          429: "rate_limit_error", 500: "internal_server_error", 503: "server_overloaded"}
+_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+          404: "not_found_error", 405: "invalid_request_error", 408: "timeout_error",
+          413: "invalid_request_error", 429: "rate_limit_error", 500: "internal_server_error",
+          503: "server_overloaded"}
 
 
 class APIError(Exception):
@@ -41,7 +42,8 @@ def bad_request(message: str, param: str | None, code: str = "invalid_value") ->
 
 _RANGE_ERRORS = ("greater_than", "greater_than_equal", "less_than", "less_than_equal",
                  "too_long", "too_short", "string_too_long")
-_BRANCHES = ("str", "int", "float", "bool", "constrained-str")  # pydantic's names of a union's branches in a loc
+# pydantic's names of a union's branches, as they appear in an error's loc
+_BRANCHES = ("str", "int", "float", "bool", "constrained-str")
 
 
 def _validation_error(exc: RequestValidationError) -> APIError:
