@@ -81,8 +81,10 @@ def test_the_official_client_with_and_without_the_key(keyed):
 # -- limits and faults, one server with faults injected on cue --------------------------------
 @pytest.fixture(scope="module")
 def faulty():
-    # 0.0.0.0: not loopback, so without a key the dashboard must not be served
-    proc = ServerProcess("--host", "0.0.0.0", "--max-num-seqs", "8",
+    # 0.0.0.0: not loopback, so without a key the dashboard must not be served. float32 on
+    # every CPU: a request's greedy tokens alone and in a batch are compared exactly, and
+    # bfloat16's coarser sums would make near-ties a matter of the batch's kernel path.
+    proc = ServerProcess("--host", "0.0.0.0", "--dtype", "float32", "--max-num-seqs", "8",
                          "--max-concurrent-requests", "8", "--max-body-bytes", "65536",
                          env={"CONVEYOR_FAULT_INJECTION": FAULTS})
     try:
