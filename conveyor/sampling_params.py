@@ -2,10 +2,60 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 
 _GREEDY_EPS = 1e-5
 _SEEDS = range(-2**63, 2**63 - 2**16)  # torch takes 64-bit seeds; sample i draws seed + i
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """One constraint on a request's output, as vLLM's ``StructuredOutputsParams``: a JSON
+    schema, any JSON object, a regular expression, one of fixed strings, or a grammar (Lark, or
+    GBNF/EBNF, told apart by its ``::=``). ``disable_any_whitespace``: JSON without free
+    whitespace between its tokens (as ``json.dumps(..., separators=(",", ":"))``)."""
+
+    json: dict | str | None = None
+    regex: str | None = None
+    choice: list[str] | tuple[str, ...] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+
+    def __post_init__(self) -> None:
+        given = [k for k in ("json", "regex", "choice", "grammar", "json_object")
+                 if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError(f"structured_outputs needs exactly one of json, regex, choice, "
+                             f"grammar or json_object, got {given or 'none'}")
+        if isinstance(self.json, str):
+            try:
+                object.__setattr__(self, "json", json.loads(self.json))
+            except ValueError as e:
+                raise ValueError(f"structured_outputs json is not valid JSON: {e}") from e
+        if self.json is not None and not isinstance(self.json, (dict, bool)):
+            raise ValueError("structured_outputs json must be a JSON schema (an object)")
+        if self.choice is not None:
+            if not self.choice or not all(isinstance(c, str) and c for c in self.choice):
+                raise ValueError("structured_outputs choice must be a list of non-empty strings")
+            object.__setattr__(self, "choice", tuple(self.choice))
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, str) and value):
+                raise ValueError(f"structured_outputs {name} must be a non-empty string")
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in ("json", "regex", "choice", "grammar", "json_object")
+                    if getattr(self, k) not in (None, False))
+
+    @property
+    def key(self) -> tuple[str, str, bool]:
+        """What the compiled grammar depends on: the cache's key."""
+        spec = getattr(self, self.kind)
+        text = spec if isinstance(spec, str) else json.dumps(spec, sort_keys=True)
+        return self.kind, text, self.disable_any_whitespace
 
 
 @dataclass
@@ -25,6 +75,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    structured_outputs: StructuredOutputsParams | None = None
     stop_strings: list[str] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -58,6 +109,9 @@ class SamplingParams:
               "must be a non-empty string or a list of them")
         check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
               "must be a list of token ids")
+        check(self.structured_outputs is None
+              or isinstance(self.structured_outputs, StructuredOutputsParams),
+              "structured_outputs", "must be None or a StructuredOutputsParams")
 
     @property
     def greedy(self) -> bool:

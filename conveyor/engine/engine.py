@@ -19,6 +19,7 @@ import torch
 from conveyor.config import EngineConfig
 from conveyor.engine.detokenizer import IncrementalDetokenizer
 from conveyor.engine.faults import FAULTS, EngineKilled, InjectedFault, fault_for
+from conveyor.engine.grammar import GrammarCompiler, consume
 from conveyor.engine.kv_cache_manager import make_kv_cache_manager
 from conveyor.engine.request import Request, RequestStatus
 from conveyor.engine.scheduler import Scheduler, SchedulerConfig
@@ -97,6 +98,8 @@ class LLMEngine:
         self.tokenizer = loaded.tokenizer
         self._check_chat_template()
         self.eos_token_ids = frozenset(loaded.eos_token_ids)
+        self.grammars = GrammarCompiler(self.tokenizer, loaded.config.vocab_size,
+                                        self.eos_token_ids)
         self.device = config.torch_device()
         self.dtype = config.torch_dtype(loaded.config.torch_dtype, self.device)
         self.dtype_reason = config.dtype_reason(loaded.config.torch_dtype, self.device)
@@ -165,10 +168,13 @@ class LLMEngine:
                 f"n ({params.n}) x (prompt ({len(ids)} tokens) + max_tokens "
                 f"({params.max_tokens})) exceeds what the KV pool can ever hold ({capacity} "
                 f"tokens)")
+        if params.structured_outputs is not None:
+            self.grammars.compile(params.structured_outputs)
         return text, ids
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True
-                            ) -> list[int]:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None) -> list[int]:
+        """``tools``: OpenAI's tool definitions, for a template that renders them."""
         if not messages:
             raise ValueError("messages must not be empty")
         for m in messages:
@@ -179,15 +185,17 @@ class LLMEngine:
             _check_text(m["content"], "message content")
         if not self.tokenizer.chat_template:
             raise ValueError(f"model {self.model_name} has no chat template")
-        return self.tokenizer.encode(self._render_chat(messages, add_generation_prompt),
+        return self.tokenizer.encode(self._render_chat(messages, add_generation_prompt, tools),
                                      add_special_tokens=False)
 
-    def _render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def _render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                     tools: list[dict] | None = None) -> str:
         """The chat template is code from the model file: transformers renders it in Jinja's
         immutable sandbox, which refuses any reach into Python internals (SecurityError)."""
         try:
             return self.tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+                messages, tools=tools, tokenize=False,
+                add_generation_prompt=add_generation_prompt)
         except jinja2.exceptions.SecurityError as e:
             raise ValueError(f"the chat template of {self.model_name} was refused: it tried "
                              f"to reach Python internals ({e})") from e
@@ -224,6 +232,8 @@ class LLMEngine:
             sample_id = request_id if params.n == 1 else f"{i}_{request_id}"
             request = Request(sample_id, ids, sample_params, self.eos_token_ids, arrival, priority)
             request.fault = fault
+            if params.structured_outputs is not None:
+                request.grammar = self.grammars.matcher(params.structured_outputs)
             if state.samples and self.config.enable_prefix_caching:
                 request.waits_for_prefill_of = state.samples[0].request
             state.samples.append(_Sample(
@@ -305,7 +315,13 @@ class LLMEngine:
         return outputs
 
     def _advance(self, request: Request, sample: _Sample, result, now: float) -> None:
-        """A sampled token's logprobs, text and stop strings."""
+        """A sampled token's grammar, logprobs, text and stop strings."""
+        if request.grammar is not None:  # the matcher follows the tokens: one consume each
+            error = consume(request.grammar, result.token_id)
+            if error is not None:
+                raise ValueError(error)
+            if request.grammar.is_stopped() and not request.is_finished:  # grammar complete
+                self.scheduler.finish_request(request, RequestStatus.FINISHED_STOPPED)
         if sample.logprobs is not None:
             sample.logprobs.append({tid: Logprob(lp, rank, self.tokenizer.decode([tid]))
                                     for tid, lp, rank in result.logprobs})

@@ -53,6 +53,8 @@ class Request:
         self.stop_reason: str | int | None = None
         self.metrics = RequestMetrics(arrival_time=arrival_time)
         self.fault: str | None = None  # a fault injected on purpose (engine/faults.py)
+        # structured outputs: the matcher of its constraint, advanced by each sampled token
+        self.grammar = None
 
     @property
     def num_tokens(self) -> int:

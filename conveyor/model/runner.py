@@ -3,8 +3,11 @@ the sampling inputs, then returns each finishing request's next token."""
 
 from __future__ import annotations
 
+from concurrent.futures import Future, ThreadPoolExecutor
+
 import torch
 
+from conveyor.engine.grammar import BatchBitmask, bitmask_width
 from conveyor.engine.request import Request
 from conveyor.engine.scheduler import SchedulerOutput
 from conveyor.kernels.library import cpu_kernels, describe
@@ -13,7 +16,7 @@ from conveyor.model.attention import AttentionMetadata, DecodeGroup, PrefillChun
 from conveyor.model.config import ModelConfig
 from conveyor.model.gguf_file import QuantizedWeight
 from conveyor.model.model import Transformer, can_prepack, rope_tables
-from conveyor.model.sampler import SampleResult, Sampler, first_max
+from conveyor.model.sampler import GrammarMask, SampleResult, Sampler, first_max
 
 
 # A chunk's tokens go through the decode kernel as queries of their own (see ModelRunner._prepare)
@@ -77,6 +80,8 @@ class ModelRunner:
                                first_max if kernels is None else kernels.argmax_rows)
         self.decode_kernel = kernels.decode_attention if kernels is not None else None
         self.rope_kv_write = kernels.rope_kv_write if kernels is not None else None
+        self._bitmask = BatchBitmask()
+        self._bitmask_thread = ThreadPoolExecutor(1, thread_name_prefix="conveyor-bitmask")
         if kernels is not None:
             self.model.use_elementwise_kernels(kernels)
             if kernels.quant_linear is not None and quantized:
@@ -161,17 +166,35 @@ class ModelRunner:
                                  self.rope_kv_write)
         return self._tensor(ids), self._tensor(positions), meta, logits_rows, sampling
 
+    def _start_grammar_mask(self, sampling: list[Request]
+                            ) -> tuple[list[int], torch.Tensor, Future] | None:
+        """Start filling the constrained rows' bitmask; it runs while the model does."""
+        rows = [i for i, r in enumerate(sampling) if r.grammar is not None]
+        if not rows:
+            return None
+        bitmask = torch.empty(len(rows), bitmask_width(self.config.vocab_size),
+                              dtype=torch.int32)
+        job = self._bitmask_thread.submit(self._bitmask.fill,
+                                          [sampling[i].grammar for i in rows], bitmask)
+        return rows, bitmask, job
+
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> dict[str, SampleResult]:
         self.sampler.forget(out.finished_ids)
         if out.is_empty:
             return {}
         ids, positions, meta, logits_rows, sampling = self._prepare(out)
+        pending = self._start_grammar_mask(sampling)
         cos = self.cos[positions].unsqueeze(1)
         sin = self.sin[positions].unsqueeze(1)
         hidden = self.model(ids, cos, sin, self.kv_caches, meta)
         if not logits_rows:
             return {}
         logits = self.model.compute_logits(hidden[self._tensor(logits_rows)])
-        results = self.sampler(logits, sampling)
+        grammar = None
+        if pending is not None:
+            rows, bitmask, job = pending
+            job.result()
+            grammar = GrammarMask(rows, bitmask.to(self.device))
+        results = self.sampler(logits, sampling, grammar)
         return {r.request_id: res for r, res in zip(sampling, results)}

@@ -29,6 +29,22 @@ def first_max(x: torch.Tensor) -> torch.Tensor:
     return x.max(dim=-1).indices
 
 
+def allowed_tokens(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Bool [R, V] from an int32 token bitmask [R, ceil(V / 32)] (bit j of word w: token
+    32w + j), as llguidance and xgrammar lay it out."""
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    bits = (bitmask.unsqueeze(-1) >> shifts) & 1
+    return bits.view(bitmask.shape[0], -1)[:, :vocab_size].bool()
+
+
+@dataclass
+class GrammarMask:
+    """The allowed tokens of a step's constrained rows: ``rows[i]``'s are ``bitmask[i]``."""
+
+    rows: list[int]
+    bitmask: torch.Tensor
+
+
 def _logprobs(row: torch.Tensor, tok: int, k: int) -> list[tuple[int, float, int]]:
     """(token, logprob, rank) of the sampled token, then of the top ``k``."""
     chosen = float(row[tok])
@@ -62,9 +78,11 @@ class Sampler:
             self._request_generators[request.request_id] = gen
         return gen
 
-    def __call__(self, logits: torch.Tensor, requests: list[Request]) -> list[SampleResult]:
+    def __call__(self, logits: torch.Tensor, requests: list[Request],
+                 grammar: GrammarMask | None = None) -> list[SampleResult]:
         """logits: [B, V] float32, one row per request, in the same order. A row that is not
-        finite (NaN or inf from the model) or fails is that request's error, not the batch's."""
+        finite (NaN or inf from the model) or fails is that request's error, not the batch's.
+        ``grammar``: structured outputs' allowed tokens, applied before any other rule."""
         if any(r.fault == "nan_logits" for r in requests):
             logits = logits.clone()
             logits[[i for i, r in enumerate(requests) if r.fault == "nan_logits"]] = math.nan
@@ -78,6 +96,11 @@ class Sampler:
                         if any(k is not None for k in want_logprobs) else None)
 
         # The caller's logits are left as they are: edits below make new tensors.
+        if grammar is not None:
+            logits = logits.clone()
+            rows = torch.tensor(grammar.rows, device=logits.device)
+            logits[rows] = logits[rows].masked_fill(
+                ~allowed_tokens(grammar.bitmask, logits.shape[1]), _NEG_INF)
         logits = self._mask_early_stops(logits, requests)
         if any(p.uses_penalties for p in params):
             logits = self._apply_penalties(logits, requests)

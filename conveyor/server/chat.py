@@ -17,6 +17,8 @@ from conveyor.server.protocol import (AssistantMessage, ChatChoice, ChatChunkCho
                                       TokenLogprob, TopLogprob, UsageInfo)
 from conveyor.server.serving import ServerState, collect, engine_failure
 from conveyor.server.streaming import SSE_DONE, TextDeltas, sse
+from conveyor.server.tools import (ToolCallDeltas, finish_reason, parse_tool_calls,
+                                   template_messages, tool_constraint, tool_mode)
 
 
 def _logprobs(sample: CompletionOutput, tokens: slice, top: int) -> ChatLogprobs:
@@ -40,8 +42,12 @@ async def create_chat_completion(body: ChatCompletionRequest, raw: Request,
     if body.top_logprobs is not None and not body.logprobs:
         raise bad_request("top_logprobs needs logprobs to be true", "top_logprobs")
     try:
-        ids = state.engine.apply_chat_template([m.template_dict() for m in body.messages],
-                                               body.add_generation_prompt)
+        mode = tool_mode(body)
+    except ValueError as e:
+        raise bad_request(str(e), "tool_choice") from e
+    try:
+        messages, tools = template_messages(body, mode, state.engine.tokenizer.chat_template or "")
+        ids = state.engine.apply_chat_template(messages, body.add_generation_prompt, tools)
     except ValueError as e:
         raise bad_request(str(e), "messages") from e
     max_tokens = body.max_completion_tokens or body.max_tokens
@@ -50,30 +56,44 @@ async def create_chat_completion(body: ChatCompletionRequest, raw: Request,
         max_tokens = max(1, state.engine.max_model_len - len(ids))
         limit_param = "messages"
     top = (body.top_logprobs or 0) if body.logprobs else None
-    params = state.sampling_params(body, max_tokens, top)
+    params = await state.sampling_params(body, max_tokens, top, tool_constraint(body, mode))
     _, ids = state.check_prompt({"prompt_token_ids": ids}, params, "messages", limit_param)
     request_id, submission = state.submit("chatcmpl", [ids], params, body.priority,
                                            body.timeout)
     created = int(time.time())
     if body.stream:
         return StreamingResponse(_stream(state, body, request_id, created, submission,
-                                         params.stop_strings), media_type="text/event-stream")
+                                         params.stop_strings, mode),
+                                 media_type="text/event-stream")
 
     finals = await collect(raw, submission, 1)
     if finals is None:
         return Response(status_code=499)
     out = finals[0]
-    choices = [ChatChoice(index=s.index, message=AssistantMessage(content=s.text),
-                          logprobs=_logprobs(s, slice(None), top) if top is not None else None,
-                          finish_reason=s.finish_reason) for s in out.outputs]
+    choices = []
+    for s in out.outputs:
+        content, calls = parse_tool_calls(s.text, mode)
+        choices.append(ChatChoice(
+            index=s.index, message=AssistantMessage(content=content, tool_calls=calls),
+            logprobs=_logprobs(s, slice(None), top) if top is not None else None,
+            finish_reason=finish_reason(s, calls)))
     return ChatCompletionResponse(id=request_id, created=created, model=state.model_name,
                                   choices=choices, usage=UsageInfo.of([out]))
 
 
+def _plain_delta(deltas: TextDeltas, sample: CompletionOutput
+                 ) -> tuple[DeltaMessage | None, slice]:
+    text, tokens = deltas.next(sample)
+    return (DeltaMessage(content=text or None) if text or sample.finished else None), tokens
+
+
 async def _stream(state: ServerState, body: ChatCompletionRequest, request_id: str, created: int,
-                  submission: Submission, stop: list[str]) -> AsyncIterator[str]:
+                  submission: Submission, stop: list[str], mode: str | None
+                  ) -> AsyncIterator[str]:
     top = (body.top_logprobs or 0) if body.logprobs else None
-    deltas = [TextDeltas(stop) for _ in range(body.n)]
+    with_tools = mode not in (None, "none")
+    deltas = [ToolCallDeltas(mode, TextDeltas(stop)) if with_tools else TextDeltas(stop)
+              for _ in range(body.n)]
     latest: RequestOutput | None = None
 
     def chunk(choices: list[ChatChunkChoice], usage: UsageInfo | None = None) -> str:
@@ -90,13 +110,14 @@ async def _stream(state: ServerState, body: ChatCompletionRequest, request_id: s
                 d = deltas[sample.index]
                 if d.done:
                     continue
-                text, tokens = d.next(sample)
-                if not text and not sample.finished:
+                delta, tokens = d.next(sample) if with_tools else _plain_delta(d, sample)
+                if delta is None and not sample.finished:
                     continue
+                reason = finish_reason(sample, d.calls) if with_tools else sample.finish_reason
                 yield chunk([ChatChunkChoice(
-                    index=sample.index, delta=DeltaMessage(content=text or None),
+                    index=sample.index, delta=delta or DeltaMessage(),
                     logprobs=_logprobs(sample, tokens, top) if top is not None else None,
-                    finish_reason=sample.finish_reason)])
+                    finish_reason=reason)])
         if body.include_usage and latest is not None:
             yield chunk([], UsageInfo.of([latest]))
     except Exception as e:  # reported in the stream: the 200 status is already sent

@@ -46,7 +46,7 @@ async def create_completion(body: CompletionRequest, raw: Request,
     if body.echo and body.logprobs is not None:
         raise bad_request("echo together with logprobs is not supported (no prompt logprobs)",
                           "echo")
-    params = state.sampling_params(body, body.max_tokens, body.logprobs)
+    params = await state.sampling_params(body, body.max_tokens, body.logprobs)
     checked = [state.check_prompt(p, params, "prompt") for p in _prompts(body.prompt)]
     echoes = [(text if text is not None else state.engine.tokenizer.decode(ids))
               if body.echo else "" for text, ids in checked]

@@ -9,11 +9,11 @@ from __future__ import annotations
 import time
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from conveyor.engine.engine import StepRecord
 from conveyor.outputs import RequestOutput
-from conveyor.sampling_params import SamplingParams
+from conveyor.sampling_params import SamplingParams, StructuredOutputsParams
 
 
 # Sizes past which a request is refused before any work (each a 400 naming the field).
@@ -28,6 +28,35 @@ StopStrings = (Annotated[str, Field(max_length=MAX_STOP_CHARS)]
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
+
+
+# -- structured outputs ------------------------------------------------------------------------
+JsonSchema = dict | bool
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(populate_by_name=True)
+    name: str = Field(max_length=64)
+    description: str | None = None
+    schema_: JsonSchema | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsRequest(BaseModel):
+    """vLLM's ``structured_outputs``: exactly one constraint."""
+
+    model_config = ConfigDict(populate_by_name=True)
+    json_: JsonSchema | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
 
 
 class SamplingFields(BaseModel):
@@ -54,19 +83,62 @@ class SamplingFields(BaseModel):
     priority: int = Field(0, description="lower runs first under --scheduling-policy priority")
     timeout: float | None = Field(None, gt=0, description="seconds; past them the request ends "
                                   "with a 408 (or an error event); capped by --request-timeout")
+    # structured outputs: OpenAI's response_format, vLLM's object and its older guided_* fields
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
+    guided_json: JsonSchema | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    def constraint(self, tools: tuple[str, dict] | None = None
+                   ) -> tuple[StructuredOutputsParams, str] | None:
+        """The output's constraint and the field that gave it (``tools``: the one chat's
+        tool_choice asks for); ValueError, starting with the field's name, when it is malformed
+        or given twice."""
+        given: list[tuple[str, dict]] = []
+        rf = self.response_format
+        if rf is not None and rf.type == "json_object":
+            given.append(("response_format", {"json_object": True}))
+        elif rf is not None and rf.type == "json_schema":
+            if rf.json_schema is None:
+                raise ValueError("response_format of type json_schema needs json_schema")
+            schema = rf.json_schema.schema_
+            given.append(("response_format", {"json": schema} if schema is not None
+                          else {"json_object": True}))
+        if self.structured_outputs is not None:
+            so = self.structured_outputs.model_dump(by_alias=True, exclude_none=True)
+            given.append(("structured_outputs", so))
+        for kind in ("json", "regex", "choice", "grammar"):
+            value = getattr(self, f"guided_{kind}")
+            if value is not None:
+                given.append((f"guided_{kind}", {kind: value}))
+        if tools is not None:
+            given.append(tools)
+        if not given:
+            return None
+        if len(given) > 1:
+            raise ValueError(f"{given[1][0]} cannot be combined with {given[0][0]}: give one "
+                             f"constraint on the output")
+        name, spec = given[0]
+        try:
+            return StructuredOutputsParams(**spec), name
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{name}: {e}") from e
+
+    def sampling_params(self, max_tokens: int, logprobs: int | None,
+                        structured: StructuredOutputsParams | None = None) -> SamplingParams:
         return SamplingParams(
             n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
             min_p=self.min_p, seed=self.seed, max_tokens=max_tokens, min_tokens=self.min_tokens,
             stop=self.stop, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
             logprobs=logprobs, presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
-            repetition_penalty=self.repetition_penalty)
+            repetition_penalty=self.repetition_penalty, structured_outputs=structured)
 
 
 class PromptTokensDetails(BaseModel):
@@ -127,21 +199,61 @@ class TextContentPart(BaseModel):
     text: str
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str = Field(description="the arguments as a JSON object, in a string")
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     role: str
     content: str | list[TextContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = Field(None, max_length=MAX_MESSAGES)
+    tool_call_id: str | None = None
 
-    def template_dict(self) -> dict:
-        """The message as the chat template expects it: content as one string."""
+    @property
+    def text(self) -> str:
         content = self.content
         if isinstance(content, list):
-            content = "".join(part.text for part in content)
-        return {"role": self.role, "content": content if content is not None else ""}
+            return "".join(part.text for part in content)
+        return content if content is not None else ""
+
+
+FUNCTION_NAME = r"^[a-zA-Z0-9_-]{1,64}$"
+
+
+class FunctionDefinition(BaseModel):
+    name: str = Field(pattern=FUNCTION_NAME)
+    description: str | None = None
+    parameters: dict | None = None
+    strict: bool | None = None
+
+
+class ChatTool(BaseModel):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class FunctionName(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"] = "function"
+    function: FunctionName
 
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(max_length=MAX_MESSAGES)
+    tools: list[ChatTool] | None = Field(None, max_length=256)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
     max_tokens: int | None = Field(None, ge=1, description="deprecated by OpenAI; still honoured")
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
@@ -166,6 +278,7 @@ class ChatLogprobs(BaseModel):
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] = []
 
 
 class ChatChoice(BaseModel):
@@ -184,9 +297,22 @@ class ChatCompletionResponse(BaseModel):
     usage: UsageInfo
 
 
+class DeltaFunctionCall(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(BaseModel):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
+
+
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatChunkChoice(BaseModel):

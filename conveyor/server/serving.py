@@ -39,13 +39,24 @@ class ServerState:
             raise APIError(404, f"the model {name!r} does not exist; this server serves "
                            f"{self.served_model_names}", "model", "model_not_found")
 
-    def sampling_params(self, body: SamplingFields, max_tokens: int,
-                        logprobs: int | None) -> SamplingParams:
+    async def sampling_params(self, body: SamplingFields, max_tokens: int,
+                              logprobs: int | None, tools: tuple[str, dict] | None = None
+                              ) -> SamplingParams:
+        """The request's sampling parameters, its output constraint compiled (off the event
+        loop: a large schema takes a while) so that one the engine cannot enforce is a 400
+        naming the field it came from."""
         try:
-            return body.sampling_params(max_tokens, logprobs)
+            found = body.constraint(tools)
+            params = body.sampling_params(max_tokens, logprobs, found and found[0])
         except ValueError as e:  # the message starts with the parameter's name
-            name = str(e).split(" ", 1)[0]
+            name = str(e).split(" ", 1)[0].rstrip(":")
             raise bad_request(str(e), name if name in type(body).model_fields else None) from e
+        if found is not None:
+            try:
+                await asyncio.to_thread(self.engine.grammars.compile, found[0])
+            except ValueError as e:
+                raise bad_request(f"{found[1]}: {e}", found[1]) from e
+        return params
 
     def check_prompt(self, prompt: Prompt, params: SamplingParams, param: str,
                      limit_param: str = "max_tokens") -> tuple[str | None, list[int]]:
