@@ -1,0 +1,195 @@
+"""Structured outputs in the engine: every constrained output satisfies its constraint, greedy
+and sampled, with preemption forced, n > 1 and prefix hits; unconstrained requests beside
+constrained ones give the tokens they give alone; bad constraints are refused."""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+
+import jsonschema
+import pytest
+import torch
+
+from conveyor import LLM, SamplingParams
+from conveyor.bench.schemas import BATTERY
+from conveyor.model.sampler import allowed_tokens
+from conveyor.sampling_params import StructuredOutputsParams
+
+FORMATS = jsonschema.FormatChecker()
+
+
+@pytest.fixture(scope="module")
+def llm() -> LLM:
+    # float32, so that batch composition cannot move a logit enough to change a token
+    return LLM(dtype="float32", max_num_seqs=32, max_model_len=1024, num_kv_blocks=1024)
+
+
+def assert_no_leak(llm: LLM) -> None:
+    pool = llm.engine.scheduler.kv.pool
+    assert pool.num_free_blocks == pool.num_blocks
+    assert not llm.engine.has_unfinished_requests()
+
+
+def assert_valid(text: str, schema: dict) -> None:
+    jsonschema.validate(json.loads(text), schema, format_checker=FORMATS)
+
+
+def json_params(schema: dict, i: int = 0, **kw) -> SamplingParams:
+    """Greedy for i == 0, else sampled with seed i."""
+    kw.setdefault("max_tokens", 300)
+    return SamplingParams(temperature=0 if i == 0 else 1.0, seed=i,
+                          structured_outputs=StructuredOutputsParams(json=schema), **kw)
+
+
+def battery_requests(samples: int) -> tuple[list, list[SamplingParams], list[dict]]:
+    convs, params, schemas = [], [], []
+    for _, schema, ask in BATTERY:
+        for i in range(samples):
+            convs.append([{"role": "user", "content": f"{ask} Answer in JSON."}])
+            params.append(json_params(schema, i))
+            schemas.append(schema)
+    return convs, params, schemas
+
+
+# -- the sampler's mask ------------------------------------------------------------------------
+def test_allowed_tokens_unpacks_the_bitmask_bit_by_bit():
+    rng = random.Random(0)
+    vocab = 100
+    bitmask = torch.tensor([[rng.getrandbits(32) - 2**31 for _ in range(4)] for _ in range(3)],
+                           dtype=torch.int32)
+    allowed = allowed_tokens(bitmask, vocab)
+    assert allowed.shape == (3, vocab)
+    for r in range(3):
+        for t in range(vocab):
+            assert bool(allowed[r, t]) == bool((int(bitmask[r, t // 32]) >> (t % 32)) & 1)
+
+
+# -- the battery -------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_every_battery_schema_is_satisfied_greedy_and_sampled(llm):
+    convs, params, schemas = battery_requests(samples=3)
+    outs = llm.chat(convs, params, use_tqdm=False)
+    for out, schema in zip(outs, schemas):
+        sample = out.outputs[0]
+        assert sample.finish_reason == "stop", sample
+        assert_valid(sample.text, schema)
+    stats = llm.engine.grammars.stats
+    assert stats.compiles <= len(BATTERY) and stats.hit_rate > 0
+    assert_no_leak(llm)
+
+
+@pytest.mark.slow
+def test_battery_holds_with_preemption_forced():
+    # 48 pages of 16 tokens for 14 requests of ~60-token prompts and up to ~150 output tokens
+    small = LLM(dtype="float32", max_num_seqs=14, max_model_len=512, num_kv_blocks=48)
+    convs, params, schemas = battery_requests(samples=1)
+    outs = small.chat(convs, [json_params(s, 7) for s in schemas], use_tqdm=False)
+    assert sum(o.metrics.num_preemptions for o in outs) > 0, "no preemption was forced"
+    for out, schema in zip(outs, schemas):
+        assert out.outputs[0].finish_reason == "stop"
+        assert_valid(out.outputs[0].text, schema)
+    assert_no_leak(small)
+
+
+def test_n_samples_each_follow_their_own_matcher(llm):
+    _, schema, ask = BATTERY[0]
+    params = json_params(schema, 5, n=4)
+    out = llm.chat([{"role": "user", "content": ask}], params, use_tqdm=False)[0]
+    assert len(out.outputs) == 4 and len({s.text for s in out.outputs}) > 1
+    for sample in out.outputs:
+        assert_valid(sample.text, schema)
+    assert_no_leak(llm)
+
+
+def test_prefix_cache_hits_leave_the_output_as_it_was(llm):
+    _, schema, ask = BATTERY[4]
+    conv = [{"role": "user", "content": ask}]
+    first = llm.chat(conv, json_params(schema), use_tqdm=False)[0]
+    again = llm.chat(conv, json_params(schema), use_tqdm=False)[0]
+    assert again.num_cached_tokens > 0
+    assert again.outputs[0].token_ids == first.outputs[0].token_ids
+    assert_valid(again.outputs[0].text, schema)
+
+
+def test_unconstrained_requests_beside_constrained_ones_give_their_tokens_alone(llm):
+    prompts = ["The history of the bicycle", "Write a haiku about rain.", "def fibonacci(n):"]
+    plain = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
+             SamplingParams(temperature=0.9, seed=11, max_tokens=24, ignore_eos=True),
+             SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)]
+    alone = llm.generate(prompts, plain, use_tqdm=False)
+    constrained = [json_params(schema, i) for i, (_, schema, _) in enumerate(BATTERY[:6])]
+    mixed = llm.generate(prompts + ["Give me JSON."] * len(constrained), plain + constrained,
+                         use_tqdm=False)
+    for a, m in zip(alone, mixed):
+        assert m.outputs[0].token_ids == a.outputs[0].token_ids
+    for out, (_, schema, _) in zip(mixed[len(prompts):], BATTERY[:6]):
+        assert_valid(out.outputs[0].text, schema)
+
+
+# -- regex, choice, grammar --------------------------------------------------------------------
+def constrained(llm: LLM, prompt: str, i: int = 0, max_tokens: int = 40, **spec) -> str:
+    params = SamplingParams(temperature=0 if i == 0 else 1.0, seed=i, max_tokens=max_tokens,
+                            structured_outputs=StructuredOutputsParams(**spec))
+    out = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop", out
+    return out.text
+
+
+@pytest.mark.parametrize("i", [0, 1, 2])
+def test_regex_choice_and_grammar_hold(llm, i):
+    phone = constrained(llm, "Call me at", i, regex=r"\(\d{3}\) \d{3}-\d{4}")
+    assert re.fullmatch(r"\(\d{3}\) \d{3}-\d{4}", phone)
+    labels = ["positive", "negative", "neutral"]
+    assert constrained(llm, "Sentiment of 'great film':", i, choice=labels) in labels
+    gbnf = 'root ::= "The answer is " answer "."\nanswer ::= "yes" | "no" | [0-9]+'
+    text = constrained(llm, "Question: is water wet?", i, grammar=gbnf)
+    assert re.fullmatch(r"The answer is (yes|no|[0-9]+)\.", text)
+    lark = 'start: item ("," item)? ("," item)?\nitem: /[a-z]{1,8}/'
+    assert re.fullmatch(r"[a-z]{1,8}(,[a-z]{1,8}){0,2}", constrained(
+        llm, "Fruits:", i, max_tokens=200, grammar=lark))
+    obj = json.loads(constrained(llm, "A JSON object:", i, max_tokens=200, json_object=True,
+                                 disable_any_whitespace=True))
+    assert isinstance(obj, dict)
+    assert_no_leak(llm)
+
+
+def test_compact_json_has_no_free_whitespace(llm):
+    _, schema, ask = BATTERY[0]
+    params = SamplingParams(temperature=0, max_tokens=100, structured_outputs=(
+        StructuredOutputsParams(json=schema, disable_any_whitespace=True)))
+    text = llm.chat([{"role": "user", "content": ask}], params, use_tqdm=False)[0].outputs[0].text
+    assert_valid(text, schema)
+    assert text == json.dumps(json.loads(text), separators=(",", ":"), ensure_ascii=False)
+
+
+def test_stop_strings_and_max_tokens_still_cut_a_constrained_output(llm):
+    _, schema, ask = BATTERY[0]
+    conv = [{"role": "user", "content": ask}]
+    cut = llm.chat(conv, json_params(schema, max_tokens=3), use_tqdm=False)[0].outputs[0]
+    assert cut.finish_reason == "length" and len(cut.token_ids) == 3
+    stopped = llm.chat(conv, json_params(schema, stop=['"age"']), use_tqdm=False)[0].outputs[0]
+    assert stopped.finish_reason == "stop" and stopped.stop_reason == '"age"'
+    assert '"age"' not in stopped.text
+    assert_no_leak(llm)
+
+
+# -- refusals ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("spec, message", [
+    ({"json": {"type": "strin"}}, "Invalid type"),
+    ({"json": {"type": "array", "uniqueItems": True}}, "uniqueItems"),
+    ({"json": {"type": "integer", "minimum": 5, "maximum": 2}}, "minimum"),
+    ({"json": '{"type": '}, "not valid JSON"),
+    ({"regex": "(unclosed"}, "unclosed group"),
+    ({"grammar": "start: undefined_rule"}, "undefined_rule"),
+    ({"grammar": 'root ::= "a" ("b"'}, "grammar"),
+    ({"choice": []}, "choice"),
+    ({}, "exactly one"),
+    ({"regex": "a", "choice": ["a"]}, "exactly one"),
+])
+def test_a_constraint_that_cannot_be_enforced_is_refused_and_loses_no_work(llm, spec, message):
+    with pytest.raises(ValueError, match=message):
+        params = SamplingParams(structured_outputs=StructuredOutputsParams(**spec))
+        llm.generate(["ok", "fine"], [SamplingParams(max_tokens=2), params], use_tqdm=False)
+    assert_no_leak(llm)
