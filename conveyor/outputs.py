@@ -47,3 +47,4 @@ class RequestOutput:
     metrics: RequestMetrics
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     error: str | None = None    # why this request failed (finish_reason "error"), alone
+    client_error: bool = False  # ... because of its own input (a constraint it cannot meet)

@@ -187,6 +187,18 @@ def test_auto_and_none_leave_the_model_free_and_tool_results_go_back_in(client, 
 
 
 # -- refusals ----------------------------------------------------------------------------------
+def test_a_constraint_the_vocabulary_cannot_write_is_a_400(server, model):
+    body = {"model": model, "prompt": "Hi", "max_tokens": 5,
+            "structured_outputs": {"regex": "\U00090000"}}
+    r = httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "unsatisfiable_constraint"
+    with httpx.stream("POST", f"{server.base_url}/v1/completions", json={**body, "stream": True},
+                      timeout=60) as s:
+        events = [line for line in s.iter_lines() if line.startswith("data: {")]
+    assert json.loads(events[-1][6:])["error"]["code"] == "unsatisfiable_constraint"
+
+
+
 @pytest.mark.parametrize("extra, param", [
     ({"response_format": {"type": "json_schema", "json_schema": {
         "name": "x", "schema": {"type": "object", "properties": {"a": {"type": "strin"}}}}}},

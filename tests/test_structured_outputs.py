@@ -175,6 +175,18 @@ def test_stop_strings_and_max_tokens_still_cut_a_constrained_output(llm):
     assert_no_leak(llm)
 
 
+def test_a_constraint_the_vocabulary_cannot_write_fails_that_request_alone(llm):
+    # SmolLM2's byte-level vocabulary has no token for the byte 0xF2 (a 4-byte UTF-8 lead)
+    params = [SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=8, structured_outputs=(
+                  StructuredOutputsParams(regex="\U00090000")))]
+    plain, stuck = llm.generate(["Hello", "Hello"], params, use_tqdm=False)
+    assert len(plain.outputs[0].token_ids) == 8 and plain.error is None
+    assert stuck.outputs[0].finish_reason == "error" and stuck.client_error
+    assert "vocabulary" in stuck.error
+    assert_no_leak(llm)
+
+
 # -- refusals ----------------------------------------------------------------------------------
 @pytest.mark.parametrize("spec, message", [
     ({"json": {"type": "strin"}}, "Invalid type"),

@@ -19,7 +19,7 @@ import torch
 from conveyor.config import EngineConfig
 from conveyor.engine.detokenizer import IncrementalDetokenizer
 from conveyor.engine.faults import FAULTS, EngineKilled, InjectedFault, fault_for
-from conveyor.engine.grammar import GrammarCompiler, consume
+from conveyor.engine.grammar import GrammarCompiler, UnsatisfiableConstraint, consume
 from conveyor.engine.kv_cache_manager import make_kv_cache_manager
 from conveyor.engine.request import Request, RequestStatus
 from conveyor.engine.scheduler import Scheduler, SchedulerConfig
@@ -70,6 +70,7 @@ class _RequestState:
     prompt_token_ids: list[int]
     samples: list[_Sample]
     error: str | None = None
+    client_error: bool = False  # the error is the request's own input's fault
 
     @property
     def finished(self) -> bool:
@@ -296,6 +297,8 @@ class LLMEngine:
             touched[state.request_id] = state
             try:
                 self._advance(request, sample, results[request.request_id], now)
+            except UnsatisfiableConstraint as e:  # the request's own input: no traceback
+                self._fail(request.request_id, str(e), now, client_error=True)
             except Exception as e:  # this request's failure is its own; the batch carries on
                 logger.exception("request %s failed", request.request_id)
                 self._fail(request.request_id, f"{type(e).__name__}: {e}", now)
@@ -317,9 +320,7 @@ class LLMEngine:
     def _advance(self, request: Request, sample: _Sample, result, now: float) -> None:
         """A sampled token's grammar, logprobs, text and stop strings."""
         if request.grammar is not None:  # the matcher follows the tokens: one consume each
-            error = consume(request.grammar, result.token_id)
-            if error is not None:
-                raise ValueError(error)
+            consume(request.grammar, result.token_id)
             if request.grammar.is_stopped() and not request.is_finished:  # grammar complete
                 self.scheduler.finish_request(request, RequestStatus.FINISHED_STOPPED)
         if sample.logprobs is not None:
@@ -345,11 +346,13 @@ class LLMEngine:
         self.timeline.leave(request, now)
         self._live_samples.pop(request.request_id)
 
-    def _fail(self, sample_id: str, error: str, now: float) -> _RequestState:
+    def _fail(self, sample_id: str, error: str, now: float, client_error: bool = False
+              ) -> _RequestState:
         """End every sample of the request this sample belongs to with ``error``. Its pages go
         back to the pool at once."""
         state, _ = self._live_samples[sample_id]
         state.error = error
+        state.client_error = client_error
         for sample in state.samples:
             request = sample.request
             if request.request_id not in self._live_samples:
@@ -384,4 +387,4 @@ class LLMEngine:
         cached = [s.request.num_cached_tokens for s in state.samples]
         return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, completions,
                              finished, merged, max((c for c in cached if c is not None), default=0),
-                             state.error)
+                             state.error, state.client_error)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
 import llguidance
@@ -33,7 +33,7 @@ def bitmask_width(vocab_size: int) -> int:
 class GrammarStats:
     matchers: int = 0  # one per constrained sample
     compiles: int = 0  # the rest of the matchers came from the cache
-    compile_seconds: list[float] = field(default_factory=list)  # of each compile
+    compile_seconds: deque[float] = field(default_factory=lambda: deque(maxlen=10_000))
 
     @property
     def hit_rate(self) -> float:
@@ -77,7 +77,7 @@ class GrammarCompiler:
         self._lock = threading.Lock()
         self.stats = GrammarStats()
 
-    def _llg_tokenizer(self) -> llguidance.LLTokenizer:
+    def llg_tokenizer(self) -> llguidance.LLTokenizer:
         if self._tokenizer is None:
             self._tokenizer = llguidance.hf.from_tokenizer(
                 self._hf_tokenizer, n_vocab=self.vocab_size, eos_token=self._eos)
@@ -91,7 +91,7 @@ class GrammarCompiler:
             if template is not None:
                 self._cache.move_to_end(spec.key)
                 return template
-            tokenizer = self._llg_tokenizer()
+            tokenizer = self.llg_tokenizer()
             start = time.perf_counter()
             try:
                 grammar = _grammar(spec)
@@ -135,9 +135,16 @@ class BatchBitmask:
             len(matchers))
 
 
-def consume(matcher: llguidance.LLMatcher, token_id: int) -> str | None:
-    """Advance a matcher by a sampled token; the error, if the token breaks the grammar."""
-    if matcher.consume_token(token_id):
-        return None
-    return f"structured output: the token {token_id} does not satisfy the grammar " \
-           f"({matcher.get_error().splitlines()[0]})"
+class UnsatisfiableConstraint(ValueError):
+    """The constraint needs text this model's tokenizer cannot write (a regex asking for a
+    character none of its tokens holds, say): the request's own fault, found while it runs."""
+
+
+def consume(matcher: llguidance.LLMatcher, token_id: int) -> None:
+    """Advance a matcher by a sampled token. The mask only allows tokens the grammar takes, so a
+    refusal means the grammar forces bytes the vocabulary lacks (llguidance's mask then
+    offers the nearest token it has)."""
+    if not matcher.consume_token(token_id):
+        raise UnsatisfiableConstraint(
+            f"the output's constraint cannot be satisfied with this model's vocabulary "
+            f"({matcher.get_error().splitlines()[0]})")

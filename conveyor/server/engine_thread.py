@@ -97,7 +97,12 @@ class RequestTimeout(Exception):
 
 
 class RequestFailed(RuntimeError):
-    """The engine ended this request with an error of its own (the batch carried on)."""
+    """The engine ended this request with an error of its own (the batch carried on);
+    ``client_error``: because of the request's input."""
+
+    def __init__(self, message: str, client_error: bool = False) -> None:
+        super().__init__(message)
+        self.client_error = client_error
 
 
 # Outputs a client may leave unread before its request is cut: a stream whose client stopped
@@ -140,7 +145,7 @@ class Submission:
                 if isinstance(item, Exception):
                     raise item
                 if item.error is not None:
-                    raise RequestFailed(item.error)
+                    raise RequestFailed(item.error, item.client_error)
                 if item.finished:
                     self._unfinished.discard(item.request_id)
                 yield self._index[item.request_id], item

@@ -105,6 +105,8 @@ def engine_failure(exc: Exception) -> APIError:
         return APIError(408, str(exc), None, "timeout")
     if isinstance(exc, EngineDead):
         return APIError(503, f"{exc}; the server is restarting", None, "engine_dead")
+    if isinstance(exc, RequestFailed) and exc.client_error:
+        return bad_request(str(exc), None, "unsatisfiable_constraint")
     if isinstance(exc, RequestFailed):
         return APIError(500, f"this request failed: {exc}", None, "request_failed")
     return APIError(500, str(exc), code="engine_error")
