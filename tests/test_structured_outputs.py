@@ -81,9 +81,11 @@ def test_every_battery_schema_is_satisfied_greedy_and_sampled(llm):
 
 
 @pytest.mark.slow
-def test_battery_holds_with_preemption_forced():
-    # 48 pages of 16 tokens for 14 requests of ~60-token prompts and up to ~150 output tokens
-    small = LLM(dtype="float32", max_num_seqs=14, max_model_len=512, num_kv_blocks=48)
+def test_battery_holds_with_preemption_and_chunked_prefill_forced():
+    # 32 pages of 16 tokens for 14 requests of ~60-token prompts and up to ~150 output tokens;
+    # a 32-token budget cuts every prompt into chunks
+    small = LLM(dtype="float32", max_num_seqs=14, max_model_len=512, num_kv_blocks=32,
+                max_num_batched_tokens=32)
     convs, params, schemas = battery_requests(samples=1)
     outs = small.chat(convs, [json_params(s, 7) for s in schemas], use_tqdm=False)
     assert sum(o.metrics.num_preemptions for o in outs) > 0, "no preemption was forced"
