@@ -7,6 +7,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+import openai
 import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests must never reach the Hugging Face hub
@@ -36,3 +37,14 @@ def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., s
         return make_tiny_checkpoint(tmp_path_factory.mktemp(f"tiny-{arch}"), arch, **overrides)
 
     return build
+
+
+# A module that defines a ``server`` fixture (a running ServerProcess) gets these two.
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def model(client) -> str:
+    return client.models.list().data[0].id

@@ -8,6 +8,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import httpx
 
@@ -62,3 +64,14 @@ class ServerProcess:
         return parse_metrics(text)
 
 
+
+
+@contextmanager
+def running_server(*args: str, **kw) -> Iterator[ServerProcess]:
+    """A ready server for the duration of the block (a module fixture's body)."""
+    proc = ServerProcess(*args, **kw)
+    try:
+        proc.wait_ready()
+        yield proc
+    finally:
+        proc.terminate()

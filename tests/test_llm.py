@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from engine_checks import assert_no_leak
 
 from conveyor import LLM, SamplingParams
 
@@ -14,12 +15,6 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time",
 def llm() -> LLM:
     # float32, so that batch composition cannot move a logit enough to change a seeded sample
     return LLM(dtype="float32", num_kv_blocks=256, max_model_len=512, max_num_seqs=8)
-
-
-def assert_no_leak(llm: LLM) -> None:
-    pool = llm.engine.scheduler.kv.pool
-    assert pool.num_free_blocks == pool.num_blocks
-    assert not llm.engine.has_unfinished_requests()
 
 
 def greedy(max_tokens: int = 24, **kw) -> SamplingParams:

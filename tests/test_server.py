@@ -9,7 +9,7 @@ import time
 import httpx
 import openai
 import pytest
-from server_process import ServerProcess
+from server_process import running_server
 
 from conveyor.kernels import isa
 from conveyor.model.gguf_file import load_gguf_tokenizer
@@ -22,22 +22,8 @@ MESSAGES = [{"role": "user", "content": "Name three colours."}]
 
 @pytest.fixture(scope="module")
 def server():
-    proc = ServerProcess()
-    try:
-        proc.wait_ready()
+    with running_server() as proc:
         yield proc
-    finally:
-        proc.terminate()
-
-
-@pytest.fixture(scope="module")
-def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def model(client) -> str:
-    return client.models.list().data[0].id
 
 
 @pytest.fixture(scope="module")

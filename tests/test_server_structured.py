@@ -10,10 +10,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import jsonschema
-import openai
 import pytest
 from pydantic import BaseModel, Field
-from server_process import ServerProcess
+from server_process import running_server
 
 from conveyor.bench.schemas import BATTERY
 
@@ -38,22 +37,8 @@ class Person(BaseModel):
 
 @pytest.fixture(scope="module")
 def server():
-    proc = ServerProcess("--max-num-seqs", "16")
-    try:
-        proc.wait_ready()
+    with running_server("--max-num-seqs", "16") as proc:
         yield proc
-    finally:
-        proc.terminate()
-
-
-@pytest.fixture(scope="module")
-def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def model(client) -> str:
-    return client.models.list().data[0].id
 
 
 def chat(client, model, messages=None, **kw):

@@ -6,19 +6,15 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from server_process import ServerProcess
+from server_process import ServerProcess, running_server
 
 from conveyor.bench.stress import rss_mib, run_overload, run_soak, server_state, summary
 
 
 @pytest.fixture(scope="module")
 def server():
-    proc = ServerProcess("--max-num-seqs", "4", "--max-queue-len", "8")
-    try:
-        proc.wait_ready()
+    with running_server("--max-num-seqs", "4", "--max-queue-len", "8") as proc:
         yield proc
-    finally:
-        proc.terminate()
 
 
 def idle_and_whole(server: ServerProcess):

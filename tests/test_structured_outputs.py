@@ -11,6 +11,7 @@ import re
 import jsonschema
 import pytest
 import torch
+from engine_checks import assert_no_leak
 
 from conveyor import LLM, SamplingParams
 from conveyor.bench.schemas import BATTERY
@@ -24,12 +25,6 @@ FORMATS = jsonschema.FormatChecker()
 def llm() -> LLM:
     # float32, so that batch composition cannot move a logit enough to change a token
     return LLM(dtype="float32", max_num_seqs=32, max_model_len=1024, num_kv_blocks=1024)
-
-
-def assert_no_leak(llm: LLM) -> None:
-    pool = llm.engine.scheduler.kv.pool
-    assert pool.num_free_blocks == pool.num_blocks
-    assert not llm.engine.has_unfinished_requests()
 
 
 def assert_valid(text: str, schema: dict) -> None:
