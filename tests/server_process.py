@@ -64,8 +64,6 @@ class ServerProcess:
         return parse_metrics(text)
 
 
-
-
 @contextmanager
 def running_server(*args: str, **kw) -> Iterator[ServerProcess]:
     """A ready server for the duration of the block (a module fixture's body)."""

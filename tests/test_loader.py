@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Callable
 from pathlib import Path
 
@@ -24,7 +25,8 @@ from tiny_models import (
 from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor, load_gguf_checkpoint
 
 from conveyor.model.config import ModelConfig
-from conveyor.model.gguf_file import gguf_config, gguf_weights, load_gguf_tokenizer
+from conveyor.model.gguf_file import (gguf_config, gguf_quantized_weights, gguf_weights,
+                                      load_gguf_tokenizer)
 from conveyor.model.loader import LoadedModel, check_weights, load_model
 
 # --- the default GGUF -------------------------------------------------------------------------
@@ -117,6 +119,23 @@ def test_gguf_config_and_weights_roundtrip(arch: str, tied: bool, tmp_path: Path
     assert expected.keys() == weights.keys()
     for name, tensor in expected.items():
         assert torch.equal(weights[name], tensor), name
+
+
+def test_a_mixed_gguf_takes_block_kernels_per_matrix_and_names_the_rest(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    model = make_tiny_model("llama", tie_word_embeddings=False)
+    q = gguf.GGMLQuantizationType
+    path = write_gguf(str(tmp_path / "mixed.gguf"), model, types={
+        "attn_q": q.Q8_0, "attn_k": q.Q4_0, "ffn_down": q.F16, "output": q.Q8_0})
+    reader = gguf.GGUFReader(path)
+    with caplog.at_level("INFO", logger="conveyor"):
+        quantized = gguf_quantized_weights(reader, gguf_config(reader))
+    assert {re.sub(r"layers\.\d+\.", "", n) for n in quantized} == {
+        "attention.wq.weight", "attention.wk.weight", "output.weight"}
+    assert {quantized[n].ggml_type for n in quantized if "wk" in n} == {int(q.Q4_0)}
+    line = next(r.getMessage() for r in caplog.records if "no block kernel" in r.getMessage())
+    assert "F16 (layers.*.feed_forward.w2.weight)" in line and "F32 (" in line
+    assert "wq" not in line and "output" not in line
 
 
 # --- tiny HF checkpoints ----------------------------------------------------------------------

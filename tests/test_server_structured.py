@@ -75,7 +75,7 @@ def test_parse_with_a_pydantic_model_works_unchanged(client, model):
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_json_schema_response_format_streamed_or_not(client, model, stream):
+def test_json_schema_response_format_streamed_or_not(server, client, model, stream):
     """The whole battery at once (one batch), streamed; a third of it not."""
     def ask(case) -> tuple[str, str | None]:
         name, schema, question = case
@@ -91,11 +91,17 @@ def test_json_schema_response_format_streamed_or_not(client, model, stream):
         return r.choices[0].message.content, r.choices[0].finish_reason
 
     cases = BATTERY if stream else BATTERY[::3]
+    before = server.metrics()
     with ThreadPoolExecutor(len(cases)) as pool:
         answers = list(pool.map(ask, cases))
     for (_, schema, _), (text, reason) in zip(cases, answers):
         assert reason == "stop"
         jsonschema.validate(json.loads(text), schema)
+    after = server.metrics()
+    grew = {k: after[f"conveyor:{k}"] - before.get(f"conveyor:{k}", 0)
+            for k in ("structured_output_sequences_total", "grammar_compiles_total")}
+    assert grew["structured_output_sequences_total"] == len(cases)
+    assert 0 <= grew["grammar_compiles_total"] <= len(cases)
 
 
 def test_json_object_on_chat_and_completions(client, model):

@@ -34,6 +34,7 @@ class GrammarStats:
     matchers: int = 0  # one per constrained sample
     compiles: int = 0  # the rest of the matchers came from the cache
     compile_seconds: deque[float] = field(default_factory=lambda: deque(maxlen=10_000))
+    compile_seconds_total: float = 0.0
 
     @property
     def hit_rate(self) -> float:
@@ -108,6 +109,7 @@ class GrammarCompiler:
                                  f"{template.get_error()}")
             self.stats.compiles += 1
             self.stats.compile_seconds.append(time.perf_counter() - start)
+            self.stats.compile_seconds_total += self.stats.compile_seconds[-1]
             self._cache[spec.key] = template
             if len(self._cache) > CACHE_SIZE:
                 self._cache.popitem(last=False)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import logging
 import math
 import os
 import re
@@ -18,6 +19,8 @@ import torch
 import transformers
 
 from conveyor.model.config import ModelConfig
+
+logger = logging.getLogger("conveyor")
 
 SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3")
 
@@ -305,15 +308,24 @@ def gguf_weights(reader: gguf.GGUFReader, config: ModelConfig) -> dict[str, torc
 def gguf_quantized_weights(reader: gguf.GGUFReader,
                            config: ModelConfig) -> dict[str, QuantizedWeight]:
     """The Q4_0/Q4_1/Q8_0 matrices as stored (rows un-permuted as in ``gguf_weights``), under
-    our names: the layers' and the output head's (the embedding's, when tied)."""
+    our names: the layers' and the output head's (the embedding's, when tied). Matrices of
+    other types run as dense weights, each on its own: one line says which."""
     out: dict[str, QuantizedWeight] = {}
+    dense: dict[str, set[str]] = {}  # type -> the names (layer numbers folded) of its matrices
     for t in reader.tensors:
         name = _rename(t.name)
-        if (int(t.tensor_type) not in _GGUF_BLOCKS or len(t.shape) != 2 or name is None
+        if (len(t.shape) != 2 or name is None
                 or name == "tok_embeddings.weight" and not config.tie_word_embeddings):
+            continue
+        if int(t.tensor_type) not in _GGUF_BLOCKS:
+            dense.setdefault(t.tensor_type.name, set()).add(re.sub(r"\.\d+\.", ".*.", name))
             continue
         blocks = _unpermute_rows(np.asarray(t.data), name, config)
         out[name] = QuantizedWeight.from_gguf(int(t.tensor_type), blocks)
+    if dense:
+        logger.info("GGUF matrices with no block kernel for their type run as dense weights: "
+                    "%s", "; ".join(f"{kind} ({', '.join(sorted(names))})"
+                                    for kind, names in sorted(dense.items())))
     return out
 
 

@@ -45,6 +45,12 @@ class ServerMetrics:
                                       "Prompt tokens looked up in the prefix cache.")
         self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
         self._prefix_seen = (0, 0)
+        self.grammar_matchers = counter("structured_output_sequences",
+                                        "Sequences constrained by a grammar (one matcher each).")
+        self.grammar_compiles = counter("grammar_compiles", "Grammars compiled; the other "
+                                        "constrained sequences took theirs from the cache.")
+        self.grammar_seconds = counter("grammar_compile_seconds", "Time spent compiling.")
+        self._grammar_seen = (0, 0, 0.0)
         self._success = Counter("conveyor:request_success", "Finished sequences by finish reason.",
                                 ["model_name", "finished_reason"], registry=self.registry)
         self.ttft = histogram("time_to_first_token_seconds", "Arrival to first token.")
@@ -67,6 +73,13 @@ class ServerMetrics:
         self.prefix_queries.inc(queries - self._prefix_seen[0])
         self.prefix_hits.inc(hits - self._prefix_seen[1])
         self._prefix_seen = (queries, hits)
+        g = engine.grammars.stats
+        seen = (g.matchers, g.compiles, g.compile_seconds_total)
+        for metric, now, before in zip((self.grammar_matchers, self.grammar_compiles,
+                                        self.grammar_seconds), seen, self._grammar_seen):
+            if now != before:
+                metric.inc(now - before)
+        self._grammar_seen = seen
         new_preemptions = sched.num_preemptions_total - self._preemptions_seen
         if new_preemptions:
             self.preemptions.inc(new_preemptions)

@@ -312,7 +312,8 @@ class DeltaToolCall(BaseModel):
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
-    tool_calls: list[DeltaToolCall] | None = None
+    # absent, not null, in a delta without calls (as OpenAI streams them)
+    tool_calls: list[DeltaToolCall] | None = Field(None, exclude_if=lambda v: v is None)
 
 
 class ChatChunkChoice(BaseModel):
