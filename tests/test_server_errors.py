@@ -13,6 +13,7 @@ from types import SimpleNamespace
 import pytest
 
 from conveyor.engine.faults import EngineKilled
+from conveyor.engine.grammar import GrammarStats
 from conveyor.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from conveyor.sampling_params import SamplingParams
 from conveyor.server.engine_thread import (MAX_UNREAD_OUTPUTS, EngineDead, EngineRequest,
@@ -32,6 +33,7 @@ class FakeEngine:
         self.scheduler = SimpleNamespace(running=[], waiting=[], num_preemptions_total=0,
                                          kv=SimpleNamespace(pool=pool, prefix_queries=0,
                                                             prefix_hits=0))
+        self.grammars = SimpleNamespace(stats=GrammarStats())
         self.last_batch_size = 0
         self.aborted: list[str] = []
         self.built_on = threading.current_thread()
