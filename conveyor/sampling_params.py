@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from functools import cached_property
 
 _GREEDY_EPS = 1e-5
 _SEEDS = range(-2**63, 2**63 - 2**16)  # torch takes 64-bit seeds; sample i draws seed + i
+_CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object")
 
 
 @dataclass(frozen=True)
@@ -24,8 +26,7 @@ class StructuredOutputsParams:
     disable_any_whitespace: bool = False
 
     def __post_init__(self) -> None:
-        given = [k for k in ("json", "regex", "choice", "grammar", "json_object")
-                 if getattr(self, k) not in (None, False)]
+        given = self._given()
         if len(given) != 1:
             raise ValueError(f"structured_outputs needs exactly one of json, regex, choice, "
                              f"grammar or json_object, got {given or 'none'}")
@@ -45,14 +46,17 @@ class StructuredOutputsParams:
             if value is not None and not (isinstance(value, str) and value):
                 raise ValueError(f"structured_outputs {name} must be a non-empty string")
 
-    @property
-    def kind(self) -> str:
-        return next(k for k in ("json", "regex", "choice", "grammar", "json_object")
-                    if getattr(self, k) not in (None, False))
+    def _given(self) -> list[str]:
+        return [k for k in _CONSTRAINTS if getattr(self, k) not in (None, False)]
 
     @property
+    def kind(self) -> str:
+        return self._given()[0]
+
+    @cached_property
     def key(self) -> tuple[str, str, bool]:
-        """What the compiled grammar depends on: the cache's key."""
+        """What the compiled grammar depends on: the cache's key (a request looks it up a few
+        times, from the server's check to the engine's matcher; a schema is dumped once)."""
         spec = getattr(self, self.kind)
         text = spec if isinstance(spec, str) else json.dumps(spec, sort_keys=True)
         return self.kind, text, self.disable_any_whitespace

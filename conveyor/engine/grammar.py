@@ -45,6 +45,28 @@ _WHAT = {"json": "JSON schema", "json_object": "JSON object", "regex": "regular 
          "choice": "choice", "grammar": "grammar"}
 
 
+def _template(spec: StructuredOutputsParams, tokenizer: llguidance.LLTokenizer
+              ) -> llguidance.LLMatcher:
+    """A constraint's compiled matcher at its start; ValueError naming what is wrong when it
+    cannot be enforced."""
+    def refused(why: object) -> ValueError:
+        return ValueError(f"this {_WHAT[spec.kind]} cannot be enforced: {why}")
+
+    try:
+        grammar = _grammar(spec)
+    except ValueError:
+        raise
+    except Exception as e:  # llguidance's own refusals of a malformed spec
+        raise refused(e) from e
+    error = llguidance.LLMatcher.validate_grammar(grammar, tokenizer)
+    if error:
+        raise refused(error)
+    template = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
+    if template.is_error():
+        raise refused(template.get_error())
+    return template
+
+
 def _grammar(spec: StructuredOutputsParams) -> str:
     """The llguidance grammar of a constraint (not yet checked)."""
     options = {"whitespace_flexible": not spec.disable_any_whitespace}
@@ -86,34 +108,25 @@ class GrammarCompiler:
 
     def compile(self, spec: StructuredOutputsParams) -> llguidance.LLMatcher:
         """The constraint's template matcher; ValueError naming what is wrong when it cannot
-        be enforced."""
+        be enforced. The compile runs outside the lock: a large schema being checked for the
+        server holds up no other request's cached lookup on the engine thread."""
         with self._lock:
             template = self._cache.get(spec.key)
             if template is not None:
                 self._cache.move_to_end(spec.key)
                 return template
-            tokenizer = self.llg_tokenizer()
-            start = time.perf_counter()
-            try:
-                grammar = _grammar(spec)
-            except ValueError:
-                raise
-            except Exception as e:  # llguidance's own refusals of a malformed spec
-                raise ValueError(f"this {_WHAT[spec.kind]} cannot be enforced: {e}") from e
-            error = llguidance.LLMatcher.validate_grammar(grammar, tokenizer)
-            if error:
-                raise ValueError(f"this {_WHAT[spec.kind]} cannot be enforced: {error}")
-            template = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
-            if template.is_error():
-                raise ValueError(f"this {_WHAT[spec.kind]} cannot be enforced: "
-                                 f"{template.get_error()}")
+            tokenizer = self.llg_tokenizer()  # built once, under the lock
+        start = time.perf_counter()
+        template = _template(spec, tokenizer)
+        seconds = time.perf_counter() - start
+        with self._lock:
             self.stats.compiles += 1
-            self.stats.compile_seconds.append(time.perf_counter() - start)
-            self.stats.compile_seconds_total += self.stats.compile_seconds[-1]
+            self.stats.compile_seconds.append(seconds)
+            self.stats.compile_seconds_total += seconds
             self._cache[spec.key] = template
             if len(self._cache) > CACHE_SIZE:
                 self._cache.popitem(last=False)
-            return template
+        return template
 
     def matcher(self, spec: StructuredOutputsParams) -> llguidance.LLMatcher:
         """A fresh matcher at the constraint's start (a copy shares the compiled grammar)."""

@@ -71,11 +71,9 @@ def tool_constraint(body: ChatCompletionRequest, mode: str | None) -> tuple[str,
 
 
 def _call_text(call: ToolCall) -> str:
-    try:
-        arguments = json.loads(call.function.arguments)
-    except ValueError:
-        arguments = call.function.arguments
-    return json.dumps({"name": call.function.name, "arguments": arguments}, ensure_ascii=False)
+    return json.dumps({"name": call.function.name,
+                       "arguments": _loads_or_text(call.function.arguments)},
+                      ensure_ascii=False)
 
 
 def template_messages(body: ChatCompletionRequest, mode: str | None, template: str
