@@ -14,6 +14,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tiny_models import K_QUANT_RANGE, Q, random_k_quant_blocks
+
 from conveyor.kernels import isa
 from conveyor.kernels.library import cpu_kernels, kernels_at
 from conveyor.model.attention import gather_pages, write_kv
@@ -193,25 +195,36 @@ def test_rope_kv_write_matches_apply_rope_and_write_kv(tier, dtype, heads, kv_he
 
 
 def random_blocks(qtype, n: int, k: int):
-    """Weights quantized to ``qtype``, as a QuantizedWeight, and what the loader makes of them
-    (numpy dequantization, float32)."""
+    """A QuantizedWeight of ``qtype`` and what the loader makes of it (gguf-py's numpy
+    dequantization, float32), row scales spanning several binades, so the float32 d * q + m
+    often needs rounding. Types gguf-py quantizes: random weights, quantized; the K-quants:
+    random blocks."""
     gen = np.random.default_rng(int(qtype) + n)
-    # Scales spanning several binades, so the float32 d * q + m often needs rounding.
-    w = (gen.standard_normal((n, k)) * np.exp(gen.uniform(-4, 2, (n, 1)))).astype(np.float32)
-    blocks = gguf.quants.quantize(w, qtype)
+    scale = np.exp(gen.uniform(-4, 2, (n, 1)))
+    if qtype in K_QUANT_RANGE:
+        blocks = random_k_quant_blocks(qtype, scale[:, 0], k, gen)
+    else:
+        w = gen.standard_normal((n, k)) * scale
+        blocks = gguf.quants.quantize(w.astype(np.float32), qtype)
     dense = torch.from_numpy(gguf.quants.dequantize(blocks, qtype).reshape(n, k))
+    assert torch.isfinite(dense).all()
     return QuantizedWeight.from_gguf(int(qtype), blocks), dense
 
 
-QTYPES = [gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q4_1,
-          gguf.GGMLQuantizationType.Q8_0]
+BLOCKS_32 = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0]
+K_QUANTS = [Q.Q4_K, Q.Q5_K, Q.Q6_K]
 
 
 @pytest.mark.parametrize("tier,dtype", CASES)
-@pytest.mark.parametrize("qtype", QTYPES)
-@pytest.mark.parametrize("n, k", [(96, 160), (40, 64), (7, 1536)])  # strips of 32, the last
-def test_quant_linear_reads_the_loaders_weights(tier, dtype, qtype, n, k):  # partial
+@pytest.mark.parametrize("qtype, n, k", [
+    # strips of 32, the last partial; K-quants' rows are super-blocks of 256
+    *[(t, n, k) for t in BLOCKS_32 for n, k in [(96, 160), (40, 64), (7, 1536)]],
+    *[(t, n, k) for t in K_QUANTS for n, k in [(96, 256), (40, 512), (7, 1536)]]])
+def test_quant_linear_reads_the_loaders_weights(tier, dtype, qtype, n, k):
     kernel = built(tier, dtype).quant_linear
+    if int(qtype) not in kernel.types:
+        assert dtype == BF16 and int(qtype) not in (Q.Q4_0, Q.Q4_1, Q.Q8_0)
+        pytest.skip(f"the bfloat16 kernels read no {qtype.name}")
     weight, dense = random_blocks(qtype, n, k)
     weight = kernel.in_format(weight)  # float32: the file's blocks; bfloat16: scales widened
     expected = dense.to(dtype)
@@ -219,7 +232,7 @@ def test_quant_linear_reads_the_loaders_weights(tier, dtype, qtype, n, k):  # pa
     # One-hot rows read single weights out: equal bit for bit, through every path the kernel
     # takes by row count (bfloat16 FMAs take 8 rows a call; AMX up to 32 a column of blocks at
     # a time, more a strip at a time; float32 any number, in register tiles and their edges).
-    chunks = (8,) if dtype == BF16 and not kernel.amx else (1, 5, 32, k)
+    chunks = (8,) if dtype == BF16 and not kernel.amx else (1, 5, 7, 32, 200, k)
     for chunk in chunks:
         for start in range(0, k, chunk):
             rows = min(chunk, k - start)
@@ -229,7 +242,8 @@ def test_quant_linear_reads_the_loaders_weights(tier, dtype, qtype, n, k):  # pa
 
     # Random rows (strided, as a slice of a wider activation) and a bias: F.linear's result up
     # to the order of the float32 sum, at row counts on and off every tile's edge.
-    row_counts = (1, 2, 5) if dtype == BF16 and not kernel.amx else (1, 2, 5, 16, 17, 33, 70)
+    row_counts = ((1, 2, 5) if dtype == BF16 and not kernel.amx
+                  else (1, 2, 5, 7, 16, 17, 32, 33, 70, 200))
     gen = torch.Generator().manual_seed(n + k)
     wide = torch.randn(max(row_counts), k + 32, generator=gen).to(dtype)
     x = wide[:, 16:16 + k]

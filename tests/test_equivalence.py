@@ -16,12 +16,13 @@ import functools
 import os
 import random
 
+import gguf
 import pytest
 import torch
 import transformers
 
 from conveyor import LLM, SamplingParams
-from conveyor.kernels import isa
+from conveyor.kernels import bindings, isa
 
 TIE = 1e-4
 BF16_TIE = 0.25    # two bfloat16 steps at |logit| ~16, the top logits' scale for this model
@@ -67,14 +68,16 @@ def hf_greedy(model, prompt: list[int], new_tokens: int) -> tuple[list[int], lis
 @functools.lru_cache(maxsize=None)
 def reference(kind: str, path: str, dtype: str = "float32", new_tokens: int = NEW_TOKENS
               ) -> tuple[list[list[int]], list[tuple[list[int], list[float]]]]:
-    if kind == "gguf":
+    """kind: "gguf" (the default model, text prompts), "tiny-gguf" or "hf" (random prompts)."""
+    if kind.endswith("gguf"):
         model = transformers.AutoModelForCausalLM.from_pretrained(
             os.path.dirname(path), gguf_file=os.path.basename(path), dtype=getattr(torch, dtype))
-        tokenizer = transformers.AutoTokenizer.from_pretrained(
-            os.path.dirname(path), gguf_file=os.path.basename(path))
-        prompts = text_prompts(tokenizer)
     else:
         model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    if kind == "gguf":
+        prompts = text_prompts(transformers.AutoTokenizer.from_pretrained(
+            os.path.dirname(path), gguf_file=os.path.basename(path)))
+    else:
         prompts = random_prompts(model.config.vocab_size)
     model.eval()
     return prompts, [hf_greedy(model, p, new_tokens) for p in prompts]
@@ -180,3 +183,53 @@ def tiny_paths(tmp_path_factory):
 def test_tiny_checkpoints_match_transformers(tiny_paths, on_path, name, path, policy):
     on_path(path)
     check_model("hf", tiny_paths[name], policy)
+
+
+# A llama.cpp K-quant mix: q/k and gate in Q4_K, v and down in Q6_K (so the fused q/k/v and
+# gate/up linears are runs of two types each), o in Q5_K, up in Q5_0, the head in Q6_K.
+Q = gguf.GGMLQuantizationType
+K_MIX = {"attn_q": Q.Q4_K, "attn_k": Q.Q4_K, "attn_v": Q.Q6_K, "attn_output": Q.Q5_K,
+         "ffn_gate": Q.Q4_K, "ffn_up": Q.Q5_0, "ffn_down": Q.Q6_K, "token_embd": Q.Q8_0,
+         "output": Q.Q6_K}
+
+
+@pytest.fixture(scope="module")
+def k_quant_gguf(tmp_path_factory):
+    """A tiny llama whose rows are whole K-quant super-blocks (256), in the K_MIX types."""
+    from tiny_models import TINY_VOCAB, make_tiny_model, write_gguf
+
+    model = make_tiny_model("llama", vocab_size=len(TINY_VOCAB), hidden_size=256,
+                            intermediate_size=512)
+    path = str(tmp_path_factory.mktemp("k-quants") / "tiny-k-quants.gguf")
+    with pytest.MonkeyPatch.context() as mp:  # its tokenizer's cache stays in the temp dir
+        mp.setenv("CONVEYOR_CACHE_DIR", str(tmp_path_factory.mktemp("cache")))
+        yield write_gguf(path, model, types=K_MIX, tokenizer=True)
+
+
+@pytest.mark.parametrize("path,policy", PATHS)
+def test_k_quant_gguf_matches_transformers(k_quant_gguf, on_path, path, policy):
+    """transformers dequantizes the file with gguf-py, as the loader does; the CPU kernels read
+    the blocks (every linear, the head, the decode stack)."""
+    on_path(path)
+    check_model("tiny-gguf", k_quant_gguf, policy)
+    if path != "pytorch":  # and the kernels did read them
+        model = LLM(model=k_quant_gguf, dtype="float32", num_kv_blocks=8).engine.runner.model
+        assert [q.ggml_type for q in model.layers[0].attention.wqkv.quantized] == [
+            Q.Q4_K, Q.Q6_K]
+        assert [q.ggml_type for q in model.layers[1].feed_forward.w13.quantized] == [
+            Q.Q4_K, Q.Q5_0]
+        assert model.head_blocks.ggml_type == Q.Q6_K and model.decode_stack is not None
+
+
+def test_a_type_the_kernels_do_not_read_runs_dense(k_quant_gguf, monkeypatch, caplog):
+    """As on the bfloat16 tiers, which read only Q4_0, Q4_1 and Q8_0: each such matrix runs as
+    a dense weight, the rest still read their blocks, and one line names them."""
+    monkeypatch.setattr(bindings, "BLOCK_TYPES", bindings.BLOCK_TYPES - {int(Q.Q6_K)})
+    with caplog.at_level("INFO", logger="conveyor"):
+        model = LLM(model=k_quant_gguf, dtype="float32", num_kv_blocks=8).engine.runner.model
+    line = next(r.getMessage() for r in caplog.records if "do not read" in r.getMessage())
+    assert line.endswith("Q6_K (layers.*.attention.wv.weight, layers.*.feed_forward.w2.weight, "
+                         "output.weight)")
+    assert model.layers[0].attention.wqkv.quantized is None and model.head_blocks is None
+    assert model.layers[0].attention.wo.quantized is not None and model.decode_stack is None
+    check_model("tiny-gguf", k_quant_gguf, "continuous")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import functools
 import os
+import zlib
 from typing import Any
 
 import gguf
@@ -149,13 +150,36 @@ def _llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return rows.swapaxes(1, 2).reshape(w.shape)
 
 
+Q = gguf.GGMLQuantizationType
+# The largest |sc * q| a K-quant block multiplies d by: what sizes d for a weight range.
+K_QUANT_RANGE = {Q.Q4_K: 63 * 15, Q.Q5_K: 63 * 31, Q.Q6_K: 128 * 32}
+
+
+def random_k_quant_blocks(qtype: gguf.GGMLQuantizationType, scale: np.ndarray, k: int,
+                          rng: np.random.Generator) -> np.ndarray:
+    """[rows, row bytes] of random K-quant blocks (gguf-py quantizes to no K-quant): random
+    bytes, valid blocks once their fp16 scales are finite, with row i's weights within about
+    +-scale[i]: d so that d * sc * q reaches it, dmin (Q4_K, Q5_K) half as far."""
+    values, size = gguf.GGML_QUANT_SIZES[qtype]
+    rows = len(scale)
+    blocks = rng.integers(0, 256, (rows, k // values, size), dtype=np.uint8)
+    at, count = (208, 1) if qtype == Q.Q6_K else (0, 2)
+    d = scale.reshape(rows, 1, 1) * rng.uniform(0.25, 1.0, (rows, k // values, count))
+    d[..., 0] /= K_QUANT_RANGE[qtype]
+    if count == 2:
+        d[..., 1] /= 2 * 63
+    blocks[..., at:at + 2 * count] = d.astype(np.float16).view(np.uint8)
+    return blocks.reshape(rows, -1)
+
+
 def write_gguf(path: str, model: transformers.PreTrainedModel, *,
                types: dict[str, gguf.GGMLQuantizationType] | None = None,
                tokenizer: bool = False) -> str:
     """A GGUF of a tiny transformers model, laid out as llama.cpp's converter would; returns path.
 
     types: ggml type by GGUF tensor kind (``"attn_q"``, ``"token_embd"``...) for 2-D weights,
-    F32 otherwise. tokenizer: add TINY_VOCAB as a byte-level BPE (the model's vocab_size must be
+    F32 otherwise. A K-quant tensor is random blocks (``random_k_quant_blocks``) of the
+    weight's range: the file's weights, not the model's. tokenizer: add TINY_VOCAB as a byte-level BPE (the model's vocab_size must be
     len(TINY_VOCAB)), so that ``load_model`` can load the file.
     """
     c = model.config
@@ -190,7 +214,11 @@ def write_gguf(path: str, model: transformers.PreTrainedModel, *,
         for old, new in _HF_TO_GGUF:
             name = name.replace(old, new)
         qtype = (types or {}).get(name.split(".")[-2], gguf.GGMLQuantizationType.F32)
-        if w.ndim == 2 and qtype != gguf.GGMLQuantizationType.F32:
+        if w.ndim == 2 and qtype in K_QUANT_RANGE:
+            rng = np.random.default_rng(zlib.crc32(name.encode()))
+            blocks = random_k_quant_blocks(qtype, np.abs(w).max(axis=1), w.shape[1], rng)
+            writer.add_tensor(name, blocks, raw_dtype=qtype)
+        elif w.ndim == 2 and qtype != gguf.GGMLQuantizationType.F32:
             writer.add_tensor(name, gguf.quants.quantize(w, qtype), raw_dtype=qtype)
         else:
             writer.add_tensor(name, np.ascontiguousarray(w))

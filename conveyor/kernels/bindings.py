@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from conveyor.model.gguf_file import QuantizedWeight
+from conveyor.model.gguf_file import BLOCK_TYPES, WIDE_SCALARS, QuantizedWeight
 
 SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
@@ -163,6 +163,8 @@ class QuantLinear:
                          [p, i64, p, i64, i32, p, p, i64, i32, i32, i32, i32], i32)
         self.amx = dtype == torch.bfloat16 and bool(lib.has_amx())
         self.wide = dtype == torch.bfloat16  # the block format it reads (QuantizedWeight.wide)
+        # the bfloat16 kernels read Q4_0, Q4_1 and Q8_0; the float32 ones every block type
+        self.types = frozenset(WIDE_SCALARS) if self.wide else BLOCK_TYPES
         self.max_rows = (self.F32_ROWS if dtype == torch.float32
                          else self.AMX_ROWS if self.amx else self.FMA_ROWS)
 
@@ -170,30 +172,42 @@ class QuantLinear:
         """The weight's blocks as this kernel reads them."""
         return weight.widened() if self.wide else weight
 
-    def __call__(self, x: torch.Tensor, weight: QuantizedWeight,
+    def __call__(self, x: torch.Tensor, weight: QuantizedWeight | tuple[QuantizedWeight, ...],
                  bias: torch.Tensor | None = None) -> torch.Tensor:
-        """x: [rows, in] (rows may be strided); weight: in_format's; bias: [out]. Returns
+        """x: [rows, in] (rows may be strided); weight: in_format's, or runs of output rows
+        (a fused linear whose parts are of different types); bias: [out]. Returns
         [rows, out]."""
+        runs = weight if isinstance(weight, tuple) else (weight,)
         rows, k = x.shape
-        n = weight.blocks.shape[0]
-        assert x.dtype == self.dtype and x.stride(1) == 1 and weight.wide == self.wide
-        assert weight.blocks.shape[1] == k // 32 * weight.block_bytes
+        n = sum(w.blocks.shape[0] for w in runs)
+        assert x.dtype == self.dtype and x.stride(1) == 1
         assert bias is None or (bias.dtype == self.dtype and bias.is_contiguous())
         y = torch.empty(rows, n, dtype=self.dtype)
-        rc = self._fn(x.data_ptr(), x.stride(0), weight.blocks.data_ptr(), weight.blocks.stride(0),
-                      weight.ggml_type, None if bias is None else bias.data_ptr(), y.data_ptr(),
-                      y.stride(0), rows, n, k, torch.get_num_threads())
-        if rc == -2:
-            raise MemoryError("quant_linear: no memory for its scratch buffer")
-        if rc != 0:
-            raise ValueError(f"quant_linear: {rows} rows of {k} with ggml type "
-                             f"{weight.ggml_type} is not handled")
+        n0 = 0
+        for w in runs:
+            assert w.wide == self.wide and w.ggml_type in self.types
+            assert w.blocks.shape[1] == k // w.block_values * w.block_bytes
+            rc = self._fn(x.data_ptr(), x.stride(0), w.blocks.data_ptr(), w.blocks.stride(0),
+                          w.ggml_type, None if bias is None else bias[n0:].data_ptr(),
+                          y[:, n0:].data_ptr(), y.stride(0), rows, w.blocks.shape[0], k,
+                          torch.get_num_threads())
+            if rc == -2:
+                raise MemoryError("quant_linear: no memory for its scratch buffer")
+            if rc != 0:
+                raise ValueError(f"quant_linear: {rows} rows of {k} with ggml type "
+                                 f"{w.ggml_type} is not handled")
+            n0 += w.blocks.shape[0]
         return y
 
 
-class _Matrix(ctypes.Structure):
+class _Run(ctypes.Structure):
     _fields_ = [("blocks", ctypes.c_void_p), ("row_bytes", ctypes.c_int64),
-                ("type", ctypes.c_int32)]
+                ("type", ctypes.c_int32), ("rows", ctypes.c_int32)]
+
+
+class _Matrix(ctypes.Structure):
+    MAX_RUNS = 3  # decode_stack.c's
+    _fields_ = [("run", _Run * MAX_RUNS), ("runs", ctypes.c_int32)]
 
 
 class _Layer(ctypes.Structure):
@@ -215,10 +229,10 @@ class StackLayer:
 
     attention_norm: torch.Tensor  # [hidden], the model dtype
     ffn_norm: torch.Tensor
-    wqkv: QuantizedWeight         # q, k and v rows, fused
-    wo: QuantizedWeight
-    w13: QuantizedWeight          # gate and up rows, fused
-    w2: QuantizedWeight
+    wqkv: tuple[QuantizedWeight, ...]  # q, k and v rows, fused: runs of one type each
+    wo: tuple[QuantizedWeight, ...]
+    w13: tuple[QuantizedWeight, ...]   # gate and up rows, fused
+    w2: tuple[QuantizedWeight, ...]
     qkv_bias: torch.Tensor | None
     k_cache: torch.Tensor         # [blocks, block_size, kv_heads, head_dim], contiguous
     v_cache: torch.Tensor
@@ -241,9 +255,13 @@ class DecodeStack:
         self._fn = entry(lib, "decode_stack", dtype,
                          [p, i32, p, p, p, i32, p, p, p, p, i64, p, p, i32], i32)
 
-        def matrix(w: QuantizedWeight) -> _Matrix:
-            assert w.blocks.is_contiguous() and w.wide == (dtype == torch.bfloat16)
-            return _Matrix(w.blocks.data_ptr(), w.blocks.stride(0), w.ggml_type)
+        def matrix(runs: tuple[QuantizedWeight, ...]) -> _Matrix:
+            assert 1 <= len(runs) <= _Matrix.MAX_RUNS
+            for w in runs:
+                assert w.blocks.is_contiguous() and w.wide == (dtype == torch.bfloat16)
+            return _Matrix((_Run * _Matrix.MAX_RUNS)(*[
+                _Run(w.blocks.data_ptr(), w.blocks.stride(0), w.ggml_type, w.blocks.shape[0])
+                for w in runs]), len(runs))
 
         for layer in layers:
             for t in (layer.attention_norm, layer.ffn_norm, layer.k_cache, layer.v_cache):

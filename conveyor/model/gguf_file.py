@@ -42,31 +42,36 @@ _BLOCK_NAMES = {
     "ffn_up": "feed_forward.w3",
     "ffn_down": "feed_forward.w2",
 }
-# The types the CPU's block linears read: bytes per block of 32 weights in the file, and how
-# many fp16 scalars (scale, min) open each block.
-_GGUF_BLOCKS = {
-    int(gguf.GGMLQuantizationType.Q4_0): (18, 1),
-    int(gguf.GGMLQuantizationType.Q4_1): (20, 2),
-    int(gguf.GGMLQuantizationType.Q8_0): (34, 1),
-}
+# The types the CPU's block linears read (csrc/blocks.h): llama.cpp's 32-weight blocks and its
+# K-quants' 256-weight super-blocks. The bfloat16 kernels read three of them, with the fp16
+# scalars (scale, min) that open each block widened: how many there are.
+_Q = gguf.GGMLQuantizationType
+BLOCK_TYPES = frozenset(int(t) for t in (_Q.Q4_0, _Q.Q4_1, _Q.Q5_0, _Q.Q5_1, _Q.Q8_0, _Q.Q4_K,
+                                         _Q.Q5_K, _Q.Q6_K))
+WIDE_SCALARS = {int(_Q.Q4_0): 1, int(_Q.Q4_1): 2, int(_Q.Q8_0): 1}
 
 
 @dataclass
 class QuantizedWeight:
     """A weight in the GGUF's own blocks, one row of blocks per output feature: as the file
-    stores them, or (``wide``) with each block's fp16 scale (and min) widened to float32 in
-    place: exact, 2 bytes more a scalar, which the bfloat16 kernels broadcast instead of
-    converting (~1.4x their speed). The float32 kernels, bound at a decode's few rows by reading
-    the blocks, take them as stored (Q4_1: 20 bytes a block, not 24) and convert the scales."""
+    stores them, or (``wide``, Q4_0/Q4_1/Q8_0) with each block's fp16 scale (and min) widened
+    to float32 in place: exact, 2 bytes more a scalar, which the bfloat16 kernels broadcast
+    instead of converting (~1.4x their speed). The float32 kernels, bound at a decode's few rows
+    by reading the blocks, take them as stored (Q4_1: 20 bytes a block, not 24) and convert the
+    scales."""
 
     ggml_type: int
-    blocks: torch.Tensor  # uint8 [out_features, in_features // 32 * block_bytes]
+    blocks: torch.Tensor  # uint8 [out_features, in_features // block_values * block_bytes]
     wide: bool = False
 
     @property
+    def block_values(self) -> int:
+        return gguf.GGML_QUANT_SIZES[_Q(self.ggml_type)][0]
+
+    @property
     def block_bytes(self) -> int:
-        size, scalars = _GGUF_BLOCKS[self.ggml_type]
-        return size + 2 * scalars if self.wide else size
+        size = gguf.GGML_QUANT_SIZES[_Q(self.ggml_type)][1]
+        return size + 2 * WIDE_SCALARS[self.ggml_type] if self.wide else size
 
     @classmethod
     def from_gguf(cls, ggml_type: int, blocks: np.ndarray) -> QuantizedWeight:
@@ -79,7 +84,7 @@ class QuantizedWeight:
         """These blocks with their scalars widened to float32 (a copy; self if already)."""
         if self.wide:
             return self
-        size, scalars = _GGUF_BLOCKS[self.ggml_type]
+        size, scalars = self.block_bytes, WIDE_SCALARS[self.ggml_type]
         rows = self.blocks.shape[0]
         b = self.blocks.numpy().reshape(rows, -1, size)
         head = np.ascontiguousarray(b[..., :2 * scalars]).view(np.float16).astype(np.float32)
@@ -307,26 +312,34 @@ def gguf_weights(reader: gguf.GGUFReader, config: ModelConfig) -> dict[str, torc
 
 def gguf_quantized_weights(reader: gguf.GGUFReader,
                            config: ModelConfig) -> dict[str, QuantizedWeight]:
-    """The Q4_0/Q4_1/Q8_0 matrices as stored (rows un-permuted as in ``gguf_weights``), under
+    """The matrices of the block types (``BLOCK_TYPES``) as stored (rows un-permuted as in ``gguf_weights``), under
     our names: the layers' and the output head's (the embedding's, when tied). Matrices of
     other types run as dense weights, each on its own: one line says which."""
     out: dict[str, QuantizedWeight] = {}
-    dense: dict[str, set[str]] = {}  # type -> the names (layer numbers folded) of its matrices
+    dense: list[tuple[str, int]] = []
     for t in reader.tensors:
         name = _rename(t.name)
         if (len(t.shape) != 2 or name is None
                 or name == "tok_embeddings.weight" and not config.tie_word_embeddings):
             continue
-        if int(t.tensor_type) not in _GGUF_BLOCKS:
-            dense.setdefault(t.tensor_type.name, set()).add(re.sub(r"\.\d+\.", ".*.", name))
+        if int(t.tensor_type) not in BLOCK_TYPES:
+            dense.append((name, int(t.tensor_type)))
             continue
         blocks = _unpermute_rows(np.asarray(t.data), name, config)
         out[name] = QuantizedWeight.from_gguf(int(t.tensor_type), blocks)
     if dense:
         logger.info("GGUF matrices with no block kernel for their type run as dense weights: "
-                    "%s", "; ".join(f"{kind} ({', '.join(sorted(names))})"
-                                    for kind, names in sorted(dense.items())))
+                    "%s", matrices_by_type(dense))
     return out
+
+
+def matrices_by_type(matrices: Iterable[tuple[str, int]]) -> str:
+    """(name, ggml type) pairs for a log line: ``TYPE (names, layer numbers folded); ...``."""
+    names: dict[str, set[str]] = {}
+    for name, ggml_type in matrices:
+        names.setdefault(_Q(ggml_type).name, set()).add(re.sub(r"\.\d+\.", ".*.", name))
+    return "; ".join(f"{kind} ({', '.join(sorted(group))})"
+                     for kind, group in sorted(names.items()))
 
 
 def _rename(gguf_name: str) -> str | None:

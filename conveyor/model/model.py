@@ -6,6 +6,7 @@ here, once, at load, so each layer runs two matmuls fewer.
 
 from __future__ import annotations
 
+import logging
 import math
 
 import torch
@@ -18,11 +19,24 @@ from conveyor.kernels.library import CPUKernels
 from conveyor.model import huge_pages
 from conveyor.model.attention import AttentionMetadata, paged_attention, write_kv
 from conveyor.model.config import ModelConfig
-from conveyor.model.gguf_file import QuantizedWeight
+from conveyor.model.gguf_file import QuantizedWeight, matrices_by_type
+
+logger = logging.getLogger("conveyor")
 
 # The matmuls run fused, one per group: the fused name and its parts, in order.
 FUSED = {"attention.wqkv": ("attention.wq", "attention.wk", "attention.wv"),
          "feed_forward.w13": ("feed_forward.w1", "feed_forward.w3")}
+
+
+def _runs(parts: list[QuantizedWeight]) -> list[list[QuantizedWeight]]:
+    """A fused linear's parts, in order, grouped into runs of one block type."""
+    runs: list[list[QuantizedWeight]] = []
+    for q in parts:
+        if runs and runs[-1][-1].ggml_type == q.ggml_type:
+            runs[-1].append(q)
+        else:
+            runs.append([q])
+    return runs
 
 
 class Linear(nn.Linear):
@@ -32,8 +46,9 @@ class Linear(nn.Linear):
     (1-64) and gives the same bits as ``F.linear`` (checked in tests/test_model_layers.py)."""
 
     packed: torch.Tensor | None = None
-    # The same weight in GGUF blocks, read by the CPU kernel when a step has a few rows.
-    quantized: QuantizedWeight | None = None
+    # The same weight in GGUF blocks, read by the CPU kernel when a step has a few rows: runs
+    # of output rows of one block type each (one, unless a fused linear's parts differ).
+    quantized: tuple[QuantizedWeight, ...] | None = None
     quant_linear: QuantLinear | None = None
 
     def prepack(self) -> None:
@@ -249,39 +264,53 @@ class Transformer(nn.Module):
     def use_quant_linear(self, kernel: QuantLinear,
                          quantized: dict[str, QuantizedWeight]) -> None:
         """Let every linear whose weight the GGUF stores in blocks the kernel reads (all of a
-        fused group's parts, of one type) run through the kernel, up to its ``max_rows``; the
-        head too, up to HEAD_BLOCK_ROWS."""
-        chosen: list[tuple[Linear | None, list[QuantizedWeight]]] = []
+        fused group's parts) run through the kernel, up to its ``max_rows``; the head too, up to
+        HEAD_BLOCK_ROWS. A fused group's parts of different types (llama.cpp's K-quant mixes
+        give v rows more bits) run as runs of one type each."""
+        chosen: list[tuple[Linear | None, list[list[QuantizedWeight]]]] = []
+        unread: list[tuple[str, int]] = []  # matrices of types the kernel does not read
         for i, layer in enumerate(self.layers):
             for local, module in layer.named_modules():
                 if not isinstance(module, Linear):
                     continue
-                found = [quantized.get(f"layers.{i}.{part}.weight")
-                         for part in FUSED.get(local, (local,))]
-                if all(found) and len({q.ggml_type for q in found}) == 1:
-                    chosen.append((module, [kernel.in_format(q) for q in found]))
-        head = quantized.get("tok_embeddings.weight" if self.output is None else "output.weight")
-        if head is not None:
-            chosen.append((None, [kernel.in_format(head)]))  # None: the head
+                names = [f"layers.{i}.{part}.weight" for part in FUSED.get(local, (local,))]
+                found = [quantized.get(name) for name in names]
+                unread += [(name, q.ggml_type) for name, q in zip(names, found)
+                           if q is not None and q.ggml_type not in kernel.types]
+                if all(q is not None and q.ggml_type in kernel.types for q in found):
+                    chosen.append((module, _runs([kernel.in_format(q) for q in found])))
+        head_name = "tok_embeddings.weight" if self.output is None else "output.weight"
+        head = quantized.get(head_name)
+        if head is not None and head.ggml_type in kernel.types:
+            chosen.append((None, [[kernel.in_format(head)]]))  # None: the head
+        elif head is not None:
+            unread.append((head_name, head.ggml_type))
+        if unread:
+            logger.info("the %s block linears do not read these types; they run as dense "
+                        "weights: %s", str(kernel.dtype).removeprefix("torch."),
+                        matrices_by_type(unread))
         # All of them in one pool on huge pages: a step reads every block once (~80 MB for
         # SmolLM2), and on them the block linears took 0.90-0.95x the time (a C harness of the
         # model's shapes, 4 KB and huge-page copies alternated).
-        sizes = [-(-sum(q.blocks.numel() for q in found) // 64) * 64 for _, found in chosen]
-        pool = huge_pages.zeros((sum(sizes),), torch.uint8, torch.device("cpu"))
+        sizes = [[-(-sum(q.blocks.numel() for q in run) // 64) * 64 for run in runs]
+                 for _, runs in chosen]
+        pool = huge_pages.zeros((sum(map(sum, sizes)),), torch.uint8, torch.device("cpu"))
         offset = 0
-        for (module, found), size in zip(chosen, sizes):
-            rows = sum(q.blocks.shape[0] for q in found)
-            blocks = pool[offset:offset + rows * found[0].blocks.shape[1]].view(rows, -1)
-            torch.cat([q.blocks for q in found], out=blocks)
-            placed = QuantizedWeight(found[0].ggml_type, blocks, found[0].wide)
+        for (module, runs), run_sizes in zip(chosen, sizes):
+            placed = []
+            for run, size in zip(runs, run_sizes):
+                rows = sum(q.blocks.shape[0] for q in run)
+                blocks = pool[offset:offset + rows * run[0].blocks.shape[1]].view(rows, -1)
+                torch.cat([q.blocks for q in run], out=blocks)
+                placed.append(QuantizedWeight(run[0].ggml_type, blocks, run[0].wide))
+                offset += size
             if module is None:
-                self.head_blocks, self.head_kernel = placed, kernel
+                self.head_blocks, self.head_kernel = placed[0], kernel
             else:
-                module.quantized, module.quant_linear = placed, kernel
+                module.quantized, module.quant_linear = tuple(placed), kernel
                 if kernel.max_rows >= QuantLinear.F32_ROWS:  # every row reads the blocks:
                     module.weight = nn.Parameter(module.weight.new_empty(0),  # no dense copy
                                                  requires_grad=False)
-            offset += size
         self.head_block_rows = (kernel.max_rows if kernel.max_rows >= QuantLinear.F32_ROWS
                                 else min(self.HEAD_BLOCK_ROWS, kernel.max_rows))
 

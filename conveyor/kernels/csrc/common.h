@@ -62,19 +62,6 @@ static inline float half_load(const uint8_t *p) {
 #endif
 }
 
-/* GGUF block types the block linears read (ggml's numbers), and their blocks as the file stores
- * them: an fp16 scale (Q4_1: and an fp16 min), then the quantized values (the float32 kernels'
- * format; the bfloat16 ones read them with the scalars widened, see QuantizedWeight.wide). */
-enum { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8 };
-
-static inline int stored_block_bytes(int type) {
-    return type == Q8_0 ? 34 : type == Q4_1 ? 20 : 18;
-}
-
-static inline int stored_values_at(int type) {
-    return type == Q4_1 ? 4 : 2;
-}
-
 /* The plain-C kernels (generic/) serve both dtypes from one body: `bf16` is a constant in each
  * entry point, so the compiler makes a specialisation of each. Values are float32 in registers;
  * in memory, elements are float or bfloat16 (strides count elements), and round_to() rounds a

@@ -36,11 +36,20 @@ KERNELS(bf16)
 #define BY_DTYPE(name, ...) name##_f32(__VA_ARGS__)
 #endif
 
-/* A GGUF-block matrix: out rows of row_bytes, of ggml type `type`. */
+/* A linear's weight in GGUF blocks: runs of output rows, each of one ggml type (a fused
+ * linear whose parts the file stores in different types, as llama.cpp's K-quant mixes do with
+ * v rows, has more than one). */
+#define MAX_RUNS 3
+
 typedef struct {
     const uint8_t *blocks;
     int64_t row_bytes;
-    int32_t type;
+    int32_t type, rows;
+} Run;
+
+typedef struct {
+    Run run[MAX_RUNS];
+    int32_t runs;
 } Matrix;
 
 typedef struct {
@@ -54,6 +63,21 @@ typedef struct {
     int hidden, heads, kv_heads, dim, intermediate, block_size;
     float eps, scale;
 } Shape;
+
+/* y = x m^T (+ bias): each run's block linear into its columns of y. */
+static ALWAYS_INLINE int matrix_linear(const void *x, int64_t x_stride, const Matrix *m,
+                                       const void *bias, void *y, int64_t y_stride, int rows,
+                                       int k, int threads, int bf16) {
+    const size_t elem = bf16 ? 2 : 4;
+    int rc = 0;
+    for (int i = 0, n0 = 0; i < m->runs && rc == 0; n0 += m->run[i++].rows) {
+        const Run *r = &m->run[i];
+        rc = BY_DTYPE(quant_linear, x, x_stride, r->blocks, r->row_bytes, r->type,
+                      bias == NULL ? NULL : (const char *)bias + elem * n0,
+                      (char *)y + elem * n0, y_stride, rows, r->rows, k, threads);
+    }
+    return rc;
+}
 
 /* h: [rows, hidden], the embeddings in, the last layer's output out; residual: [rows, hidden],
  * the stream before that output (as TransformerBlock returns them). cos, sin: [rows, dim];
@@ -79,8 +103,7 @@ static ALWAYS_INLINE int decode_stack(const Layer *layers, int num_layers, const
         const Layer *l = &layers[i];
         BY_DTYPE(add_rms_norm, h, hid, i == 0 ? NULL : residual, l->attention_norm, x, hid, rows,
                  hid, s->eps, threads);
-        rc = BY_DTYPE(quant_linear, x, hid, l->wqkv.blocks, l->wqkv.row_bytes, l->wqkv.type,
-                      l->qkv_bias, t_qkv, qkv, rows, qkv, hid, threads);
+        rc = matrix_linear(x, hid, &l->wqkv, l->qkv_bias, t_qkv, qkv, rows, hid, threads, bf16);
         if (rc) break;
         BY_DTYPE(rope_kv_write, t_qkv, qkv, t_qkv + elem * (q + kv), qkv, cos, sin, s->dim,
                  slots, l->k_cache, l->v_cache, rows, s->heads, s->kv_heads, s->dim, threads);
@@ -88,16 +111,13 @@ static ALWAYS_INLINE int decode_stack(const Layer *layers, int num_layers, const
                       table_stride, context_lens, o, q, rows, s->heads, s->kv_heads, s->dim,
                       s->block_size, s->scale, threads);
         if (rc) break;
-        rc = BY_DTYPE(quant_linear, o, q, l->wo.blocks, l->wo.row_bytes, l->wo.type, NULL, a, hid,
-                      rows, hid, q, threads);
+        rc = matrix_linear(o, q, &l->wo, NULL, a, hid, rows, q, threads, bf16);
         if (rc) break;
         BY_DTYPE(add_rms_norm, a, hid, residual, l->ffn_norm, x, hid, rows, hid, s->eps, threads);
-        rc = BY_DTYPE(quant_linear, x, hid, l->w13.blocks, l->w13.row_bytes, l->w13.type, NULL,
-                      gu, 2 * inter, rows, 2 * inter, hid, threads);
+        rc = matrix_linear(x, hid, &l->w13, NULL, gu, 2 * inter, rows, hid, threads, bf16);
         if (rc) break;
         BY_DTYPE(silu_mul, gu, 2 * inter, rows, inter, threads);
-        rc = BY_DTYPE(quant_linear, gu, 2 * inter, l->w2.blocks, l->w2.row_bytes, l->w2.type,
-                      NULL, h, hid, rows, hid, inter, threads);
+        rc = matrix_linear(gu, 2 * inter, &l->w2, NULL, h, hid, rows, inter, threads, bf16);
     }
     return rc;
 }

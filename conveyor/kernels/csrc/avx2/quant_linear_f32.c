@@ -1,9 +1,9 @@
-/* A float32 linear read straight from llama.cpp's Q4_0, Q4_1 or Q8_0 blocks, with AVX2 FMAs.
+/* A float32 linear read straight from llama.cpp's blocks (blocks.h), with AVX2 FMAs.
  *
- * The GGUF blocks are a quarter (Q4_0) to a bit over a quarter (Q8_0) of float32's bytes, and
- * at a decode step's row counts a float32 linear is bound by reading its weights. Products are
- * summed in float32; the results are F.linear's on the loader's float32 weights up to the order
- * (and, up to FEW_ROWS rows, the factoring) of those sums.
+ * The GGUF blocks are 0.14x (Q4_K) to 0.27x (Q8_0) float32's bytes, and at a decode step's row
+ * counts a float32 linear is bound by reading its weights. Products are summed in float32; the
+ * results are F.linear's on the loader's float32 weights up to the order (and, up to FEW_ROWS
+ * rows, the factoring) of those sums.
  *
  * Two ways, by row count:
  * - up to FEW_ROWS rows, each output row's blocks are multiplied in registers with every
@@ -20,6 +20,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "blocks.h"
 #include "common.h"
 
 #define FEW_ROWS 6   /* the register path's most rows */
@@ -37,58 +38,103 @@
  * products, bounds the kernel. The sums are the loader's weights' up to float32 rounding (a
  * one-hot row still reads a weight bit for bit: d * q, then + m, two roundings). */
 
-/* A block's quantized values as float32, unscaled (Q4_1: q, 0..15; Q4_0: q - 8; Q8_0: q),
- * elements 8c .. 8c + 7 in v[c]. */
-static ALWAYS_INLINE void block_values(const uint8_t *b, int type, __m256 *v) {
-    const uint8_t *qs = b + stored_values_at(type);
-    if (type == Q8_0) {
-        for (int c = 0; c < 4; c++)
-            v[c] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
-                _mm_loadl_epi64((const __m128i *)(qs + 8 * c))));
-        return;
-    }
-    const __m256i lo = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)qs));
-    const __m256i hi = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(qs + 8)));
-    const __m256i fifteen = _mm256_set1_epi32(15);
-    __m256i q[4] = {_mm256_and_si256(lo, fifteen), _mm256_and_si256(hi, fifteen),
-                    _mm256_srli_epi32(lo, 4), _mm256_srli_epi32(hi, 4)};
-    for (int c = 0; c < 4; c++) {
-        if (type == Q4_0) q[c] = _mm256_sub_epi32(q[c], _mm256_set1_epi32(8));
-        v[c] = _mm256_cvtepi32_ps(q[c]);
-    }
+/* 8 bytes widened to 8 int32 lanes */
+static inline __m256i u8x8(const uint8_t *p) {
+    return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
 }
 
-/* R rows of x (R <= FEW_ROWS) times output rows [n0, n1). xsum: for Q4_1, each row's blocks
- * of x folded to 8 lanes ([R][blocks][8]), what m_j multiplies. One row keeps two chains of
- * each sum (alternate blocks), so the FMA latency does not bound it; more rows are chains of
- * their own. */
+/* Chunk j's quantized values of a row as float32, unscaled and offset as chunk_quants
+ * (blocks.h) has them, elements 8c .. 8c + 7 in v[c]. */
+static ALWAYS_INLINE void chunk_values(const uint8_t *row, int type, int j, __m256 *v) {
+    const uint8_t *b = chunk_block(row, type, j);
+    const __m256i fifteen = _mm256_set1_epi32(15), one = _mm256_set1_epi32(1);
+    __m256i q[4];
+    if (type == Q8_0) {
+        for (int c = 0; c < 4; c++)
+            q[c] = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(b + 2 + 8 * c)));
+    } else if (type == Q4_K || type == Q5_K) {
+        const uint8_t *qs = b + (type == Q4_K ? 16 : 48) + 32 * ((j & 7) >> 1);
+        const __m128i shift = _mm_cvtsi32_si128(4 * (j & 1)), bit = _mm_cvtsi32_si128(j & 7);
+        for (int c = 0; c < 4; c++) {
+            q[c] = _mm256_and_si256(_mm256_srl_epi32(u8x8(qs + 8 * c), shift), fifteen);
+            if (type == Q5_K)
+                q[c] = _mm256_or_si256(q[c], _mm256_slli_epi32(_mm256_and_si256(
+                    _mm256_srl_epi32(u8x8(b + 16 + 8 * c), bit), one), 4));
+        }
+    } else if (type == Q6_K) {
+        const int h = (j & 7) >> 2, t = j & 3;
+        const uint8_t *ql = b + 64 * h + 32 * (t & 1), *qh = b + 128 + 32 * h;
+        const __m128i lshift = _mm_cvtsi32_si128(4 * (t >> 1)), hshift = _mm_cvtsi32_si128(2 * t);
+        for (int c = 0; c < 4; c++)
+            q[c] = _mm256_sub_epi32(_mm256_or_si256(
+                _mm256_and_si256(_mm256_srl_epi32(u8x8(ql + 8 * c), lshift), fifteen),
+                _mm256_slli_epi32(_mm256_and_si256(_mm256_srl_epi32(u8x8(qh + 8 * c), hshift),
+                                                   _mm256_set1_epi32(3)), 4)),
+                _mm256_set1_epi32(32));
+    } else {
+        const uint8_t *qs = b + stored_values_at(type);
+        const __m256i lo = u8x8(qs), hi = u8x8(qs + 8);
+        q[0] = _mm256_and_si256(lo, fifteen);
+        q[1] = _mm256_and_si256(hi, fifteen);
+        q[2] = _mm256_srli_epi32(lo, 4);
+        q[3] = _mm256_srli_epi32(hi, 4);
+        if (type == Q5_0 || type == Q5_1) {  /* bit e of qh is weight e's fifth */
+            uint32_t bits;
+            memcpy(&bits, qs - 4, 4);
+            const __m256i qh = _mm256_set1_epi32((int)bits);
+            const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+            for (int c = 0; c < 4; c++)
+                q[c] = _mm256_or_si256(q[c], _mm256_slli_epi32(_mm256_and_si256(
+                    _mm256_srlv_epi32(qh, _mm256_add_epi32(lane, _mm256_set1_epi32(8 * c))),
+                    one), 4));
+        }
+        const int offset = type == Q4_0 ? 8 : type == Q5_0 ? 16 : 0;
+        if (offset)
+            for (int c = 0; c < 4; c++) q[c] = _mm256_sub_epi32(q[c], _mm256_set1_epi32(offset));
+    }
+    for (int c = 0; c < 4; c++) v[c] = _mm256_cvtepi32_ps(q[c]);
+}
+
+/* R rows of x (R <= FEW_ROWS) times output rows [n0, n1). xsum: for types with a min, each
+ * row's chunks of x folded to 8 lanes ([R][chunks][8]), what m multiplies. One row keeps two
+ * chains of each sum (alternate chunks), so the FMA latency does not bound it; more rows are
+ * chains of their own. */
 static ALWAYS_INLINE void rows_times_blocks(int R, int type, const float *x, int64_t x_stride,
                                             int k, const float *xsum, const uint8_t *w,
                                             int64_t row_bytes, const float *bias, float *y,
                                             int64_t y_stride, int n0, int n1) {
-    const int bb = stored_block_bytes(type), blocks = k / 32, chains = R == 1 ? 2 : 1;
+    const int chunks = k / 32, chains = R == 1 ? 2 : 1;
+    /* bytes of a row a chunk takes: how far along the row AHEAD rows on to ask for */
+    const int64_t step = stored_block_bytes(type) / (values_per_block(type) / 32);
     for (int n = n0; n < n1; n++) {
         const uint8_t *row = w + (int64_t)n * row_bytes;
         __m256 dacc[FEW_ROWS][2], macc[FEW_ROWS][2];
         for (int r = 0; r < R; r++)
             for (int h = 0; h < chains; h++)
                 dacc[r][h] = macc[r][h] = _mm256_setzero_ps();
-        for (int j = 0; j < blocks; j++) {
-            const uint8_t *b = row + (int64_t)j * bb;
+        for (int j = 0; j < chunks; j++) {
             const int h = chains == 2 ? j & 1 : 0;
-            _mm_prefetch((const char *)b + AHEAD * row_bytes, _MM_HINT_T0);
+            _mm_prefetch((const char *)row + AHEAD * row_bytes + j * step, _MM_HINT_T0);
             __m256 v[4];
-            block_values(b, type, v);
-            const __m256 d = _mm256_set1_ps(half_load(b));
-            const __m256 m = type == Q4_1 ? _mm256_set1_ps(half_load(b + 2)) : d;
+            chunk_values(row, type, j, v);
+            float ds[2], ms;
+            chunk_scales(row, type, j, ds, &ms);
+            const __m256 d = _mm256_set1_ps(ds[0]), d1 = _mm256_set1_ps(ds[1]);
+            const __m256 m = _mm256_set1_ps(ms);
             for (int r = 0; r < R; r++) {
                 const float *xr = x + r * x_stride + 32 * j;
                 __m256 s = _mm256_mul_ps(v[0], _mm256_loadu_ps(xr));
-                for (int c = 1; c < 4; c++)
-                    s = _mm256_fmadd_ps(v[c], _mm256_loadu_ps(xr + 8 * c), s);
-                dacc[r][h] = _mm256_fmadd_ps(d, s, dacc[r][h]);
-                if (type == Q4_1)
-                    macc[r][h] = _mm256_fmadd_ps(m, _mm256_loadu_ps(xsum + (r * blocks + j) * 8),
+                s = _mm256_fmadd_ps(v[1], _mm256_loadu_ps(xr + 8), s);
+                if (type == Q6_K) {  /* its second 16 weights have a scale of their own */
+                    dacc[r][h] = _mm256_fmadd_ps(d, s, dacc[r][h]);
+                    s = _mm256_mul_ps(v[2], _mm256_loadu_ps(xr + 16));
+                } else {
+                    s = _mm256_fmadd_ps(v[2], _mm256_loadu_ps(xr + 16), s);
+                }
+                s = _mm256_fmadd_ps(v[3], _mm256_loadu_ps(xr + 24), s);
+                dacc[r][h] = _mm256_fmadd_ps(type == Q6_K ? d1 : d, s, dacc[r][h]);
+                if (has_min(type))
+                    macc[r][h] = _mm256_fmadd_ps(m, _mm256_loadu_ps(xsum + (r * chunks + j) * 8),
                                                  macc[r][h]);
             }
         }
@@ -192,14 +238,71 @@ static ALWAYS_INLINE void pack_panel_of(const uint8_t *w, int64_t row_bytes, int
     }
 }
 
+/* Lane i of the 8 vectors r[0..7] moved to vector i, lane o from r[o]: an 8 x 8 transpose. */
+static inline void transpose8(__m256 *r) {
+    __m256 t[8], u[8];
+    for (int i = 0; i < 8; i += 2) {
+        t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+        t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 8; i += 4) {
+        u[i] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+        u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+        u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+        u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+    }
+    for (int i = 0; i < 4; i++) {
+        r[i] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x20);
+        r[i + 4] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x31);
+    }
+}
+
+/* pack_panel_of for the 5-bit types and the K-quants, whose values do not sit one to a byte
+ * or nibble: each output's chunk dequantized as the loader does (chunk_values times its
+ * scale, + its min: two roundings), then eight outputs' chunks transposed into the panel. */
+static ALWAYS_INLINE void pack_panel_chunks(const uint8_t *w, int64_t row_bytes, int type,
+                                            int n0, int have, int k0, int kc, float *panel) {
+    for (int g = 0; g < NR; g += 8)
+        for (int j = k0 / 32; j < (k0 + kc) / 32; j++) {
+            __m256 t[4][8];  /* [8 weights of the chunk][output] */
+            for (int o = 0; o < 8; o++) {
+                if (g + o >= have) {
+                    for (int c = 0; c < 4; c++) t[c][o] = _mm256_setzero_ps();
+                    continue;
+                }
+                const uint8_t *row = w + (int64_t)(n0 + g + o) * row_bytes;
+                __m256 v[4];
+                float ds[2], ms;
+                chunk_values(row, type, j, v);
+                chunk_scales(row, type, j, ds, &ms);
+                for (int c = 0; c < 4; c++) {
+                    t[c][o] = _mm256_mul_ps(v[c], _mm256_set1_ps(ds[c >> 1]));
+                    if (has_min(type)) t[c][o] = _mm256_add_ps(t[c][o], _mm256_set1_ps(ms));
+                }
+            }
+            float *rows = panel + (32 * j - k0) * NR + g;
+            for (int c = 0; c < 4; c++) {
+                transpose8(t[c]);
+                for (int i = 0; i < 8; i++) _mm256_store_ps(rows + (8 * c + i) * NR, t[c][i]);
+            }
+        }
+}
+
 /* One specialisation a block type (no type tests a panel row: 0.95x the time at 32 rows). Not
  * inlined: inlined into panels() it cost the register tiles 5-8% of their speed (GCC 12). */
 static __attribute__((noinline)) void pack_panel(const uint8_t *w, int64_t row_bytes,
                                                  int type, int n0, int have, int k0, int kc,
                                                  float *panel) {
-    if (type == Q4_1) pack_panel_of(w, row_bytes, Q4_1, n0, have, k0, kc, panel);
-    else if (type == Q4_0) pack_panel_of(w, row_bytes, Q4_0, n0, have, k0, kc, panel);
-    else pack_panel_of(w, row_bytes, Q8_0, n0, have, k0, kc, panel);
+    switch (type) {
+    case Q4_0: pack_panel_of(w, row_bytes, Q4_0, n0, have, k0, kc, panel); break;
+    case Q4_1: pack_panel_of(w, row_bytes, Q4_1, n0, have, k0, kc, panel); break;
+    case Q8_0: pack_panel_of(w, row_bytes, Q8_0, n0, have, k0, kc, panel); break;
+    case Q5_0: pack_panel_chunks(w, row_bytes, Q5_0, n0, have, k0, kc, panel); break;
+    case Q5_1: pack_panel_chunks(w, row_bytes, Q5_1, n0, have, k0, kc, panel); break;
+    case Q4_K: pack_panel_chunks(w, row_bytes, Q4_K, n0, have, k0, kc, panel); break;
+    case Q5_K: pack_panel_chunks(w, row_bytes, Q5_K, n0, have, k0, kc, panel); break;
+    default: pack_panel_chunks(w, row_bytes, Q6_K, n0, have, k0, kc, panel); break;
+    }
 }
 
 /* c[m][..] += x[m][k0 .. k0 + kc) . panel for the M <= MR rows of x from its row m; c is
@@ -290,21 +393,21 @@ static int panels(const float *x, int64_t x_stride, const uint8_t *w, int64_t ro
 #define ROWS(T) switch (rows) { CASE(1, T) CASE(2, T) CASE(3, T) CASE(4, T) CASE(5, T) CASE(6, T) }
 
 /* y = x w^T (+ bias). x: [rows, k], y: [rows, n] float32 (row strides given), w: n rows of
- * k / 32 blocks of `type`, row_bytes apart; bias: [n] or NULL. Returns -1 for a type or shape
- * it does not handle, -2 without memory for its scratch. */
+ * k weights in blocks of `type`, row_bytes apart; bias: [n] or NULL. Returns -1 for a type or
+ * shape it does not handle, -2 without memory for its scratch. */
 int quant_linear_f32(const float *x, int64_t x_stride, const uint8_t *w, int64_t row_bytes,
                      int type, const float *bias, float *y, int64_t y_stride, int rows, int n,
                      int k, int threads) {
-    if ((type != Q4_0 && type != Q4_1 && type != Q8_0) || k % 32 != 0 || rows < 1) return -1;
+    if (!reads_type(type) || k % values_per_block(type) != 0 || rows < 1) return -1;
     if (rows > FEW_ROWS)
         return panels(x, x_stride, w, row_bytes, type, bias, y, y_stride, rows, n, k, threads);
-    const int blocks = k / 32;
-    float *xsum = aligned_alloc(32, sizeof(float) * 8 * rows * blocks);
+    const int chunks = k / 32;
+    float *xsum = aligned_alloc(32, sizeof(float) * 8 * rows * chunks);
     if (xsum == NULL) return -2;
-    for (int r = 0; r < rows; r++)  /* each block of x folded to 8 lanes: m_j's factor */
-        for (int j = 0; j < blocks; j++) {
+    for (int r = 0; r < rows; r++)  /* each chunk of x folded to 8 lanes: its min's factor */
+        for (int j = 0; j < chunks; j++) {
             const float *xr = x + r * x_stride + 32 * j;
-            _mm256_store_ps(xsum + (r * blocks + j) * 8,
+            _mm256_store_ps(xsum + (r * chunks + j) * 8,
                             _mm256_add_ps(_mm256_add_ps(_mm256_loadu_ps(xr),
                                                         _mm256_loadu_ps(xr + 8)),
                                           _mm256_add_ps(_mm256_loadu_ps(xr + 16),
@@ -314,12 +417,15 @@ int quant_linear_f32(const float *x, int64_t x_stride, const uint8_t *w, int64_t
     {
         int n0, n1;
         thread_share(n, &n0, &n1);
-        if (type == Q4_1) {
-            ROWS(Q4_1)
-        } else if (type == Q4_0) {
-            ROWS(Q4_0)
-        } else {
-            ROWS(Q8_0)
+        switch (type) {
+        case Q4_0: ROWS(Q4_0) break;
+        case Q4_1: ROWS(Q4_1) break;
+        case Q5_0: ROWS(Q5_0) break;
+        case Q5_1: ROWS(Q5_1) break;
+        case Q8_0: ROWS(Q8_0) break;
+        case Q4_K: ROWS(Q4_K) break;
+        case Q5_K: ROWS(Q5_K) break;
+        default: ROWS(Q6_K) break;
         }
     }
     free(xsum);

@@ -18,6 +18,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "blocks.h"
 #include "common.h"
 
 #if !CONVEYOR_AVX512_BF16
