@@ -46,9 +46,10 @@ static inline int stored_values_at(int type) {
     return type == Q4_1 ? 4 : type == Q5_0 ? 6 : type == Q5_1 ? 8 : 2;
 }
 
-/* Types whose weights add a min (w = d * q + m); the others are d * q. */
+/* Types whose weights add a min (w = d * q + m); the others are d * q. Q5_0's d * (q - 16) is
+ * taken as d * q + (-16 d): the same float32 number (both terms and their sum are exact). */
 static inline int has_min(int type) {
-    return type == Q4_1 || type == Q5_1 || type == Q4_K || type == Q5_K;
+    return type == Q4_1 || type == Q5_0 || type == Q5_1 || type == Q4_K || type == Q5_K;
 }
 
 /* The block holding chunk j of a row. */
@@ -77,10 +78,12 @@ static inline void chunk_scales(const uint8_t *row, int type, int j, float d[2],
     } else {
         d[0] = d[1] = half_load(b);
         if (type == Q4_1 || type == Q5_1) *m = half_load(b + 2);
+        if (type == Q5_0) *m = -16.0f * d[0];
     }
 }
 
-/* Chunk j's 32 quantized values, offsets applied (Q4_0: q - 8, Q5_0: q - 16, Q6_K: q - 32). */
+/* Chunk j's 32 quantized values, offsets applied (Q4_0: q - 8, Q6_K: q - 32; Q5_0's is its
+ * min). */
 static inline void chunk_quants(const uint8_t *row, int type, int j, int q[32]) {
     const uint8_t *b = chunk_block(row, type, j);
     if (type == Q8_0) {
@@ -107,7 +110,7 @@ static inline void chunk_quants(const uint8_t *row, int type, int j, int q[32]) 
         const uint8_t *qs = b + stored_values_at(type);
         uint32_t qh = 0;
         if (type == Q5_0 || type == Q5_1) memcpy(&qh, b + stored_values_at(type) - 4, 4);
-        const int offset = type == Q4_0 ? 8 : type == Q5_0 ? 16 : 0;
+        const int offset = type == Q4_0 ? 8 : 0;
         for (int e = 0; e < 32; e++) {
             const int nibble = e < 16 ? qs[e] & 15 : qs[e - 16] >> 4;
             q[e] = (nibble | (int)((qh >> e) & 1) << 4) - offset;

@@ -71,6 +71,24 @@ static ALWAYS_INLINE void chunk_values(const uint8_t *row, int type, int j, __m2
                 _mm256_slli_epi32(_mm256_and_si256(_mm256_srl_epi32(u8x8(qh + 8 * c), hshift),
                                                    _mm256_set1_epi32(3)), 4)),
                 _mm256_set1_epi32(32));
+    } else if (type == Q5_0 || type == Q5_1) {
+        /* bit e of qh is weight e's fifth: qh shifted right by e - 4 leaves it at bit 4 (for
+         * weights 0-7, qh << 4 by e) */
+        const uint8_t *qs = b + stored_values_at(type);
+        const __m256i lo = u8x8(qs), hi = u8x8(qs + 8);
+        q[0] = _mm256_and_si256(lo, fifteen);
+        q[1] = _mm256_and_si256(hi, fifteen);
+        q[2] = _mm256_srli_epi32(lo, 4);
+        q[3] = _mm256_srli_epi32(hi, 4);
+        uint32_t bits;
+        memcpy(&bits, qs - 4, 4);
+        const __m256i qh = _mm256_set1_epi32((int)bits), lane = _mm256_setr_epi32(
+            0, 1, 2, 3, 4, 5, 6, 7);
+        for (int c = 0; c < 4; c++)
+            q[c] = _mm256_or_si256(q[c], _mm256_and_si256(_mm256_srlv_epi32(
+                c == 0 ? _mm256_slli_epi32(qh, 4) : qh,
+                _mm256_add_epi32(lane, _mm256_set1_epi32(c == 0 ? 0 : 8 * c - 4))),
+                _mm256_set1_epi32(16)));
     } else {
         const uint8_t *qs = b + stored_values_at(type);
         const __m256i lo = u8x8(qs), hi = u8x8(qs + 8);
@@ -78,21 +96,41 @@ static ALWAYS_INLINE void chunk_values(const uint8_t *row, int type, int j, __m2
         q[1] = _mm256_and_si256(hi, fifteen);
         q[2] = _mm256_srli_epi32(lo, 4);
         q[3] = _mm256_srli_epi32(hi, 4);
-        if (type == Q5_0 || type == Q5_1) {  /* bit e of qh is weight e's fifth */
-            uint32_t bits;
-            memcpy(&bits, qs - 4, 4);
-            const __m256i qh = _mm256_set1_epi32((int)bits);
-            const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-            for (int c = 0; c < 4; c++)
-                q[c] = _mm256_or_si256(q[c], _mm256_slli_epi32(_mm256_and_si256(
-                    _mm256_srlv_epi32(qh, _mm256_add_epi32(lane, _mm256_set1_epi32(8 * c))),
-                    one), 4));
-        }
-        const int offset = type == Q4_0 ? 8 : type == Q5_0 ? 16 : 0;
-        if (offset)
-            for (int c = 0; c < 4; c++) q[c] = _mm256_sub_epi32(q[c], _mm256_set1_epi32(offset));
+        if (type == Q4_0)
+            for (int c = 0; c < 4; c++) q[c] = _mm256_sub_epi32(q[c], _mm256_set1_epi32(8));
     }
     for (int c = 0; c < 4; c++) v[c] = _mm256_cvtepi32_ps(q[c]);
+}
+
+/* The factors of block b's chunks (one chunk, or a K-quant's eight): d[c][h] scales chunk c's
+ * half h, m[c] is its min, as chunk_scales (blocks.h) has them; a K-quant's 6-bit or int8
+ * scales are widened eight at a time. */
+static ALWAYS_INLINE void block_scales(const uint8_t *b, int type, float d[8][2], float m[8]) {
+    if (type == Q6_K) {
+        const __m256 dd = _mm256_set1_ps(half_load(b + 208));
+        for (int h = 0; h < 2; h++)  /* scale i covers weights 16i .. 16i + 15 */
+            _mm256_storeu_ps(&d[4 * h][0], _mm256_mul_ps(dd, _mm256_cvtepi32_ps(
+                _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(b + 192 + 8 * h))))));
+    } else if (type == Q4_K || type == Q5_K) {
+        /* ggml's unpacking of the 12 bytes: sc[0..7] to bytes 0-7 of u, mn[0..7] to 8-15 */
+        uint32_t u[4];
+        memcpy(u, b + 4, 12);
+        u[3] = ((u[2] >> 4) & 0x0f0f0f0f) | (((u[1] >> 6) & 0x03030303) << 4);
+        const uint32_t mins_lo = u[1] & 0x3f3f3f3f;
+        u[1] = (u[2] & 0x0f0f0f0f) | (((u[0] >> 6) & 0x03030303) << 4);
+        u[2] = mins_lo;
+        u[0] &= 0x3f3f3f3f;
+        const __m256 sc = _mm256_mul_ps(_mm256_set1_ps(half_load(b)), _mm256_cvtepi32_ps(
+            u8x8((const uint8_t *)u)));
+        const __m256 mn = _mm256_mul_ps(_mm256_set1_ps(half_load(b + 2)), _mm256_cvtepi32_ps(
+            u8x8((const uint8_t *)u + 8)));
+        float scales[8];
+        _mm256_storeu_ps(scales, sc);
+        _mm256_storeu_ps(m, _mm256_sub_ps(_mm256_setzero_ps(), mn));
+        for (int c = 0; c < 8; c++) d[c][0] = d[c][1] = scales[c];
+    } else {
+        chunk_scales(b, type, 0, d[0], &m[0]);
+    }
 }
 
 /* R rows of x (R <= FEW_ROWS) times output rows [n0, n1). xsum: for types with a min, each
@@ -103,7 +141,7 @@ static ALWAYS_INLINE void rows_times_blocks(int R, int type, const float *x, int
                                             int k, const float *xsum, const uint8_t *w,
                                             int64_t row_bytes, const float *bias, float *y,
                                             int64_t y_stride, int n0, int n1) {
-    const int chunks = k / 32, chains = R == 1 ? 2 : 1;
+    const int chunks = k / 32, chains = R == 1 ? 2 : 1, per = values_per_block(type) / 32;
     /* bytes of a row a chunk takes: how far along the row AHEAD rows on to ask for */
     const int64_t step = stored_block_bytes(type) / (values_per_block(type) / 32);
     for (int n = n0; n < n1; n++) {
@@ -112,15 +150,17 @@ static ALWAYS_INLINE void rows_times_blocks(int R, int type, const float *x, int
         for (int r = 0; r < R; r++)
             for (int h = 0; h < chains; h++)
                 dacc[r][h] = macc[r][h] = _mm256_setzero_ps();
-        for (int j = 0; j < chunks; j++) {
-            const int h = chains == 2 ? j & 1 : 0;
+        for (int j0 = 0; j0 < chunks; j0 += per) {
+          float ds[8][2], ms[8];
+          block_scales(row + (int64_t)(j0 / per) * stored_block_bytes(type), type, ds, ms);
+          #pragma GCC unroll 8
+          for (int c = 0; c < per; c++) {  /* unrolled: each chunk's shifts are constants */
+            const int j = j0 + c, h = chains == 2 ? j & 1 : 0;
             _mm_prefetch((const char *)row + AHEAD * row_bytes + j * step, _MM_HINT_T0);
             __m256 v[4];
             chunk_values(row, type, j, v);
-            float ds[2], ms;
-            chunk_scales(row, type, j, ds, &ms);
-            const __m256 d = _mm256_set1_ps(ds[0]), d1 = _mm256_set1_ps(ds[1]);
-            const __m256 m = _mm256_set1_ps(ms);
+            const __m256 d = _mm256_set1_ps(ds[c][0]), d1 = _mm256_set1_ps(ds[c][1]);
+            const __m256 m = _mm256_set1_ps(ms[c]);
             for (int r = 0; r < R; r++) {
                 const float *xr = x + r * x_stride + 32 * j;
                 __m256 s = _mm256_mul_ps(v[0], _mm256_loadu_ps(xr));
@@ -137,6 +177,7 @@ static ALWAYS_INLINE void rows_times_blocks(int R, int type, const float *x, int
                     macc[r][h] = _mm256_fmadd_ps(m, _mm256_loadu_ps(xsum + (r * chunks + j) * 8),
                                                  macc[r][h]);
             }
+          }
         }
         const float bv = bias != NULL ? bias[n] : 0.0f;
         for (int r = 0; r < R; r++) {
