@@ -8,7 +8,7 @@ import sys
 import time
 
 from conveyor.bench.cli import add_bench_parser
-from conveyor.config import EngineConfig
+from conveyor.config import QUANTIZATIONS, EngineConfig
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -38,6 +38,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
     g.add_argument("--threads", type=int, default=None, help="CPU threads for the model")
+    g.add_argument("--quantization", default=None, choices=QUANTIZATIONS,
+                   help="quantize a Hugging Face folder's linears into these GGUF blocks at load")
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -49,7 +51,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                         kv_layout=args.kv_layout,
                         enable_prefix_caching=args.enable_prefix_caching,
                         scheduling_policy=args.scheduling_policy, seed=args.seed,
-                        device=args.device, threads=args.threads)
+                        device=args.device, threads=args.threads,
+                        quantization=args.quantization)
 
 
 def _generate(args: argparse.Namespace) -> None:

@@ -16,6 +16,8 @@ _DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.b
            "float16": torch.float16, "half": torch.float16}
 _UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "kib": 2**10, "m": 1e6, "mb": 1e6, "mib": 2**20,
           "g": 1e9, "gb": 1e9, "gib": 2**30, "t": 1e12, "tb": 1e12, "tib": 2**40}
+# --quantization: GGUF block types gguf-py quantizes to (llama.cpp's reference rounding)
+QUANTIZATIONS = ("q8_0", "q5_0", "q4_0")
 DEFAULT_CPU_KV_SHARE = 0.25        # of available RAM ...
 DEFAULT_CPU_KV_CAP = 4 * 2**30     # ... but no more than vLLM's CPU default of 4 GiB
 DEFAULT_CUDA_KV_SHARE = 0.8        # of free device memory after the weights
@@ -56,6 +58,7 @@ class EngineConfig:
     seed: int = 0
     device: str | None = None   # None: CUDA when present, else CPU
     threads: int | None = None  # CPU threads for the model; None: PyTorch's default
+    quantization: str | None = None  # a folder's linears into these GGUF blocks at load
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in _DTYPES:
@@ -76,6 +79,9 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got "
+                             f"{self.quantization!r}")
         if self.num_kv_blocks is not None and self.kv_cache_memory is not None:
             raise ValueError("give num_kv_blocks or kv_cache_memory, not both")
         if self.kv_cache_memory is not None:

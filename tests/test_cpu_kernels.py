@@ -201,6 +201,10 @@ def random_blocks(qtype, n: int, k: int):
     random blocks."""
     gen = np.random.default_rng(int(qtype) + n)
     scale = np.exp(gen.uniform(-4, 2, (n, 1)))
+    if qtype in DENSE:  # rows as a safetensors folder stores them
+        w = torch.from_numpy((gen.standard_normal((n, k)) * scale).astype(np.float32))
+        w = w.to(DENSE[qtype])
+        return QuantizedWeight.from_dense(w), w.float()
     if qtype in K_QUANT_RANGE:
         blocks = random_k_quant_blocks(qtype, scale[:, 0], k, gen)
     else:
@@ -211,7 +215,8 @@ def random_blocks(qtype, n: int, k: int):
     return QuantizedWeight.from_gguf(int(qtype), blocks), dense
 
 
-BLOCKS_32 = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0]
+DENSE = {Q.F32: torch.float32, Q.F16: torch.float16, Q.BF16: torch.bfloat16}
+BLOCKS_32 = [Q.Q4_0, Q.Q4_1, Q.Q5_1, Q.Q8_0, *DENSE]
 K_QUANTS = [Q.Q4_K, Q.Q5_K, Q.Q6_K]
 
 

@@ -159,6 +159,8 @@ def test_default_gguf_bf16_first_tokens_match_transformers(default_gguf_path, ma
 
 TINY = {
     "llama": ("llama", {}),
+    "llama-bf16": ("llama", {"dtype": torch.bfloat16}),  # the kernels read its bfloat16 rows
+    "qwen2-fp16": ("qwen2", {"dtype": torch.float16}),
     "llama3-rope-tied": ("llama", {"rope_scaling": "llama3", "tie_word_embeddings": True}),
     "mistral": ("mistral", {}),
     "qwen2": ("qwen2", {}),
@@ -186,7 +188,8 @@ def test_tiny_checkpoints_match_transformers(tiny_paths, on_path, name, path, po
 
 
 # A llama.cpp K-quant mix: q/k and gate in Q4_K, v and down in Q6_K (so the fused q/k/v and
-# gate/up linears are runs of two types each), o in Q5_K, up in Q5_0, the head in Q6_K.
+# gate/up linears are runs of two types each), o in Q5_K, up in Q5_0 (read as Q8_0), the head
+# in Q6_K.
 Q = gguf.GGMLQuantizationType
 K_MIX = {"attn_q": Q.Q4_K, "attn_k": Q.Q4_K, "attn_v": Q.Q6_K, "attn_output": Q.Q5_K,
          "ffn_gate": Q.Q4_K, "ffn_up": Q.Q5_0, "ffn_down": Q.Q6_K, "token_embd": Q.Q8_0,
@@ -217,7 +220,7 @@ def test_k_quant_gguf_matches_transformers(k_quant_gguf, on_path, path, policy):
         assert [q.ggml_type for q in model.layers[0].attention.wqkv.quantized] == [
             Q.Q4_K, Q.Q6_K]
         assert [q.ggml_type for q in model.layers[1].feed_forward.w13.quantized] == [
-            Q.Q4_K, Q.Q5_0]
+            Q.Q4_K, Q.Q8_0]
         assert model.head_blocks.ggml_type == Q.Q6_K and model.decode_stack is not None
 
 

@@ -17,9 +17,12 @@ import transformers
 from gguf.quants import dequantize
 from tiny_models import (
     LLAMA3_ROPE_SCALING,
+    TINY_VOCAB,
     conveyor_state_dict,
     hf_to_conveyor_name,
+    make_tiny_checkpoint,
     make_tiny_model,
+    smollm2_tokenizer,
     write_gguf,
 )
 from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor, load_gguf_checkpoint
@@ -126,16 +129,39 @@ def test_a_mixed_gguf_takes_block_kernels_per_matrix_and_names_the_rest(
     model = make_tiny_model("llama", tie_word_embeddings=False)
     q = gguf.GGMLQuantizationType
     path = write_gguf(str(tmp_path / "mixed.gguf"), model, types={
-        "attn_q": q.Q8_0, "attn_k": q.Q4_0, "ffn_down": q.F16, "output": q.Q8_0})
+        "attn_q": q.Q8_0, "attn_k": q.Q4_0, "attn_v": q.F16, "attn_output": q.Q5_0,
+        "ffn_down": q.MXFP4, "output": q.Q8_0})
     reader = gguf.GGUFReader(path)
     with caplog.at_level("INFO", logger="conveyor"):
         quantized = gguf_quantized_weights(reader, gguf_config(reader))
+    # the rest of the matrices are F32: dense rows the kernels read too
     assert {re.sub(r"layers\.\d+\.", "", n) for n in quantized} == {
-        "attention.wq.weight", "attention.wk.weight", "output.weight"}
+        "attention.wq.weight", "attention.wk.weight", "attention.wv.weight",
+        "attention.wo.weight", "feed_forward.w1.weight", "feed_forward.w3.weight",
+        "output.weight"}
     assert {quantized[n].ggml_type for n in quantized if "wk" in n} == {int(q.Q4_0)}
+    assert {quantized[n].ggml_type for n in quantized if "wv" in n} == {int(q.F16)}
+    assert {quantized[n].ggml_type for n in quantized if "w1" in n} == {int(q.F32)}
+    # Q5_0 is read as Q8_0 blocks (the same scale, q - 16 in a byte): the same weights
+    weights = gguf_weights(reader, gguf_config(reader))
+    for name in (n for n in quantized if ".wo." in n):
+        assert quantized[name].ggml_type == int(q.Q8_0)
+        as_q8 = dequantize(quantized[name].blocks.numpy(), q.Q8_0).reshape(weights[name].shape)
+        assert torch.equal(torch.from_numpy(as_q8), weights[name])
     line = next(r.getMessage() for r in caplog.records if "no block kernel" in r.getMessage())
-    assert "F16 (layers.*.feed_forward.w2.weight)" in line and "F32 (" in line
-    assert "wq" not in line and "output" not in line
+    assert line.endswith(": MXFP4 (layers.*.feed_forward.w2.weight)")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_a_folder_hands_its_matrices_to_the_kernels_as_stored(tmp_path: Path, dtype) -> None:
+    q = gguf.GGMLQuantizationType
+    loaded = load_model(make_tiny_checkpoint(tmp_path, "llama", dtype=dtype))
+    matrices = {n for n, w in loaded.weights.items() if w.ndim == 2}
+    assert loaded.quantized.keys() == matrices - {"tok_embeddings.weight"}  # untied
+    want = {torch.bfloat16: q.BF16, torch.float16: q.F16, torch.float32: q.F32}[dtype]
+    for name, w in loaded.quantized.items():
+        assert w.ggml_type == want and w.blocks.dtype == torch.uint8
+        assert w.blocks.data_ptr() == loaded.weights[name].data_ptr()  # a view, not a copy
 
 
 # --- tiny HF checkpoints ----------------------------------------------------------------------
@@ -293,3 +319,32 @@ def test_unsupported_gguf_architecture(tmp_path: Path) -> None:
     writer.close()
     with pytest.raises(ValueError, match="unsupported GGUF architecture 'gpt2'"):
         load_model(path)
+
+
+def test_a_folder_quantized_at_load_is_that_gguf(tmp_path: Path) -> None:
+    """--quantization q8_0 on a folder: the same blocks (gguf-py's quantizer) and so the same
+    greedy tokens as the GGUF llama.cpp's converter would write of that model in Q8_0."""
+    from conveyor import LLM, SamplingParams
+
+    q = gguf.GGMLQuantizationType
+    model = make_tiny_model("llama", vocab_size=len(TINY_VOCAB))
+    model.save_pretrained(tmp_path / "folder")
+    smollm2_tokenizer().save_pretrained(tmp_path / "folder")
+    path = write_gguf(str(tmp_path / "q8.gguf"), model, tokenizer=True, types={
+        kind: q.Q8_0 for kind in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate",
+                                  "ffn_up", "ffn_down", "output")})
+    folder = load_model(str(tmp_path / "folder"), quantization="q8_0")
+    assert {w.ggml_type for w in folder.quantized.values()} == {int(q.Q8_0)}
+    original = conveyor_state_dict(model, tied=False)
+    for name, w in folder.quantized.items():
+        error = (folder.weights[name] - original[name]).abs().max()
+        assert 0 < error <= original[name].abs().max() / 127, name  # half a step of Q8_0
+    with pytest.raises(ValueError, match="is for Hugging Face folders"):
+        load_model(path, quantization="q8_0")
+
+    prompts = [{"prompt_token_ids": [5 + i, 40 + 3 * i, 77, 100 + i]} for i in range(4)]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    runs = [[o.outputs[0].token_ids for o in LLM(model=m, dtype="float32", **kw).generate(
+        prompts, params, use_tqdm=False)]
+        for m, kw in ((str(tmp_path / "folder"), {"quantization": "q8_0"}), (path, {}))]
+    assert runs[0] == runs[1]

@@ -106,14 +106,16 @@ def make_tiny_model(arch: str, **overrides: Any) -> transformers.PreTrainedModel
     return model.eval()
 
 
-def make_tiny_checkpoint(folder: str | os.PathLike[str], arch: str, **overrides: Any) -> str:
+def make_tiny_checkpoint(folder: str | os.PathLike[str], arch: str, *,
+                         dtype: torch.dtype = torch.float32, **overrides: Any) -> str:
     """Write a tiny HF checkpoint (safetensors, config, SmolLM2 tokenizer) into folder and return its path.
 
-    arch is llama, mistral, qwen2 or qwen3; overrides are transformers config kwargs
-    (e.g. tie_word_embeddings=True, rope_scaling=LLAMA3_ROPE_SCALING).
+    arch is llama, mistral, qwen2 or qwen3; dtype the tensors' (float32, or rounded to
+    bfloat16 or float16); overrides are transformers config kwargs (e.g.
+    tie_word_embeddings=True, rope_scaling=LLAMA3_ROPE_SCALING).
     """
     folder = os.fspath(folder)
-    make_tiny_model(arch, **overrides).save_pretrained(folder)
+    make_tiny_model(arch, **overrides).to(dtype).save_pretrained(folder)
     smollm2_tokenizer().save_pretrained(folder)
     return folder
 

@@ -92,7 +92,8 @@ class LLMEngine:
         self.config = config
         if config.threads is not None:
             torch.set_num_threads(config.threads)
-        loaded = load_model(config.model)
+        started = time.monotonic()
+        loaded = load_model(config.model, config.quantization)
         self.model_name = loaded.name
         self.model_path = loaded.path
         self.model_config = loaded.config
@@ -121,8 +122,10 @@ class LLMEngine:
                                   block_size=config.block_size, max_model_len=model_len,
                                   seed=config.seed, quantized=loaded.quantized)
         self.kv_cache_bytes = num_blocks * per_block
-        logger.info("dtype %s (%s); %s", str(self.dtype).removeprefix("torch."),
-                    self.dtype_reason, self.runner.kernel_path)
+        self.load_seconds = time.monotonic() - started  # the file, its weights placed, kernels
+        logger.info("loaded %s in %.1f s; dtype %s (%s); %s", loaded.name, self.load_seconds,
+                    str(self.dtype).removeprefix("torch."), self.dtype_reason,
+                    self.runner.kernel_path)
         self._states: dict[str, _RequestState] = {}
         self._live_samples: dict[str, tuple[_RequestState, _Sample]] = {}  # by sample id
         self.steps: deque[StepRecord] = deque(maxlen=STEP_HISTORY)

@@ -8,12 +8,14 @@ import os
 import re
 from dataclasses import dataclass, field
 
+import gguf
 import safetensors.torch
 import torch
 import transformers
 
 from conveyor.model.config import ModelConfig
 from conveyor.model.gguf_file import (
+    DENSE_TYPES,
     QuantizedWeight,
     check_gguf_tensors,
     gguf_config,
@@ -59,7 +61,7 @@ class LoadedModel:
     eos_token_ids: list[int]  # every id that ends generation
     name: str  # short display name
     path: str
-    # GGUF matrices as stored, for the CPU's small-batch linears (none for safetensors)
+    # the matrices as stored (GGUF blocks, or a folder's dense rows), for the CPU's linears
     quantized: dict[str, QuantizedWeight] = field(default_factory=dict)
 
 
@@ -75,15 +77,22 @@ def default_model_path() -> str:
     )
 
 
-def load_model(path: str | None = None) -> LoadedModel:
-    """Load a `.gguf` file or a Hugging Face folder; None loads the default model."""
+def load_model(path: str | None = None, quantization: str | None = None) -> LoadedModel:
+    """Load a `.gguf` file or a Hugging Face folder; None loads the default model.
+    quantization (a folder's only): its linears and head quantized into these GGUF blocks."""
     path = default_model_path() if path is None else os.fspath(path)
     if not os.path.exists(path):
         raise FileNotFoundError(f"model path does not exist: {path}")
     if os.path.isfile(path) and path.endswith(".gguf"):
+        if quantization is not None:
+            raise ValueError(f"--quantization {quantization} is for Hugging Face folders; "
+                             f"{path} is a GGUF, quantized already")
         return _load_gguf(path)
     if os.path.isdir(path):
-        return _load_hf_folder(path)
+        loaded = _load_hf_folder(path)
+        if quantization is not None:
+            _quantize(loaded, int(gguf.GGMLQuantizationType[quantization.upper()]))
+        return loaded
     raise ValueError(f"expected a .gguf file or a Hugging Face model folder, got {path}")
 
 
@@ -131,6 +140,11 @@ def _load_hf_folder(folder: str) -> LoadedModel:
 
     weights = _hf_weights(_read_safetensors(folder), config)
     check_weights(weights, config)
+    # the matrices as stored, for the CPU's block linears (which read float32, float16 and
+    # bfloat16 rows too): views, no copy
+    matrices = {name: QuantizedWeight.from_dense(w) for name, w in weights.items()
+                if w.ndim == 2 and (name != "tok_embeddings.weight" or config.tie_word_embeddings)
+                and w.dtype in DENSE_TYPES}
 
     tokenizer = load_tokenizer(folder)
     generation_path = os.path.join(folder, "generation_config.json")
@@ -145,7 +159,20 @@ def _load_hf_folder(folder: str) -> LoadedModel:
         eos_token_ids=_unique_ids(tokenizer.eos_token_id, raw_config.get("eos_token_id"), generation_eos),
         name=os.path.basename(os.path.normpath(folder)),
         path=folder,
+        quantized=matrices,
     )
+
+
+def _quantize(loaded: LoadedModel, ggml_type: int) -> None:
+    """The folder's matrices into GGUF blocks (gguf-py's quantizer, llama.cpp's reference
+    rounding), and its dense weights replaced by what those blocks hold, so that every path
+    computes the same model."""
+    for name, matrix in loaded.quantized.items():
+        rows = loaded.weights[name].float().numpy()
+        blocks = gguf.quants.quantize(rows, ggml_type)
+        loaded.quantized[name] = QuantizedWeight.from_gguf(ggml_type, blocks)
+        loaded.weights[name] = torch.from_numpy(
+            gguf.quants.dequantize(blocks, ggml_type).reshape(rows.shape))
 
 
 def _read_safetensors(folder: str) -> dict[str, torch.Tensor]:

@@ -19,7 +19,7 @@ from conveyor.kernels.library import CPUKernels
 from conveyor.model import huge_pages
 from conveyor.model.attention import AttentionMetadata, paged_attention, write_kv
 from conveyor.model.config import ModelConfig
-from conveyor.model.gguf_file import QuantizedWeight, matrices_by_type
+from conveyor.model.gguf_file import DENSE_TYPES, QuantizedWeight, matrices_by_type
 
 logger = logging.getLogger("conveyor")
 
@@ -285,7 +285,8 @@ class Transformer(nn.Module):
             chosen.append((None, [[kernel.in_format(head)]]))  # None: the head
         elif head is not None:
             unread.append((head_name, head.ggml_type))
-        if unread:
+        unread = [(name, t) for name, t in unread if t not in DENSE_TYPES.values()]
+        if unread:  # (dense weights the kernel does not read take the model's own path)
             logger.info("the %s block linears do not read these types; they run as dense "
                         "weights: %s", str(kernel.dtype).removeprefix("torch."),
                         matrices_by_type(unread))

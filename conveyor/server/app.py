@@ -84,7 +84,8 @@ def build_app(state: ServerState, ready_message: str = "", api_key: str | None =
         return VersionInfo(version=__version__, device=engine.device.type,
                            dtype=str(engine.dtype).removeprefix("torch."),
                            dtype_reason=engine.dtype_reason, cpu_isa=cpu.tier,
-                           cpu_isa_reason=cpu.describe(), kernels=engine.runner.kernel_path)
+                           cpu_isa_reason=cpu.describe(), kernels=engine.runner.kernel_path,
+                           load_seconds=round(engine.load_seconds, 3))
 
     @app.get("/v1/models")
     async def models() -> ModelList:

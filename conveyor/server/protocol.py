@@ -360,6 +360,7 @@ class VersionInfo(BaseModel):
     cpu_isa: str         # the CPU kernel tier: generic, avx2, avx512 or amx
     cpu_isa_reason: str  # the CPU flags that decided it (or CONVEYOR_CPU_ISA)
     kernels: str         # which path the model runs, and why
+    load_seconds: float  # the model's load: file, weights placed for the kernels, kernels built
 
 
 class ErrorInfo(BaseModel):

@@ -49,6 +49,14 @@ static ALWAYS_INLINE void chunk_values(const uint8_t *row, int type, int j, __m2
     const uint8_t *b = chunk_block(row, type, j);
     const __m256i fifteen = _mm256_set1_epi32(15), one = _mm256_set1_epi32(1);
     __m256i q[4];
+    if (is_dense(type)) {  /* the weights themselves, widened */
+        for (int c = 0; c < 4; c++)
+            v[c] = type == F32 ? _mm256_loadu_ps((const float *)b + 8 * c)
+                   : type == F16 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(b + 16 * c)))
+                   : _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(
+                         _mm_loadu_si128((const __m128i *)(b + 16 * c))), 16));
+        return;
+    }
     if (type == Q8_0) {
         for (int c = 0; c < 4; c++)
             q[c] = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(b + 2 + 8 * c)));
@@ -71,7 +79,7 @@ static ALWAYS_INLINE void chunk_values(const uint8_t *row, int type, int j, __m2
                 _mm256_slli_epi32(_mm256_and_si256(_mm256_srl_epi32(u8x8(qh + 8 * c), hshift),
                                                    _mm256_set1_epi32(3)), 4)),
                 _mm256_set1_epi32(32));
-    } else if (type == Q5_0 || type == Q5_1) {
+    } else if (type == Q5_1) {
         /* bit e of qh is weight e's fifth: qh shifted right by e - 4 leaves it at bit 4 (for
          * weights 0-7, qh << 4 by e) */
         const uint8_t *qs = b + stored_values_at(type);
@@ -172,7 +180,8 @@ static ALWAYS_INLINE void rows_times_blocks(int R, int type, const float *x, int
                     s = _mm256_fmadd_ps(v[2], _mm256_loadu_ps(xr + 16), s);
                 }
                 s = _mm256_fmadd_ps(v[3], _mm256_loadu_ps(xr + 24), s);
-                dacc[r][h] = _mm256_fmadd_ps(type == Q6_K ? d1 : d, s, dacc[r][h]);
+                dacc[r][h] = is_dense(type) ? _mm256_add_ps(s, dacc[r][h])
+                             : _mm256_fmadd_ps(type == Q6_K ? d1 : d, s, dacc[r][h]);
                 if (has_min(type))
                     macc[r][h] = _mm256_fmadd_ps(m, _mm256_loadu_ps(xsum + (r * chunks + j) * 8),
                                                  macc[r][h]);
@@ -298,7 +307,7 @@ static inline void transpose8(__m256 *r) {
     }
 }
 
-/* pack_panel_of for the 5-bit types and the K-quants, whose values do not sit one to a byte
+/* pack_panel_of for Q5_1, the K-quants and the dense types, whose values do not sit one to a byte
  * or nibble: each output's chunk dequantized as the loader does (chunk_values times its
  * scale, + its min: two roundings), then eight outputs' chunks transposed into the panel. */
 static ALWAYS_INLINE void pack_panel_chunks(const uint8_t *w, int64_t row_bytes, int type,
@@ -338,11 +347,13 @@ static __attribute__((noinline)) void pack_panel(const uint8_t *w, int64_t row_b
     case Q4_0: pack_panel_of(w, row_bytes, Q4_0, n0, have, k0, kc, panel); break;
     case Q4_1: pack_panel_of(w, row_bytes, Q4_1, n0, have, k0, kc, panel); break;
     case Q8_0: pack_panel_of(w, row_bytes, Q8_0, n0, have, k0, kc, panel); break;
-    case Q5_0: pack_panel_chunks(w, row_bytes, Q5_0, n0, have, k0, kc, panel); break;
     case Q5_1: pack_panel_chunks(w, row_bytes, Q5_1, n0, have, k0, kc, panel); break;
     case Q4_K: pack_panel_chunks(w, row_bytes, Q4_K, n0, have, k0, kc, panel); break;
     case Q5_K: pack_panel_chunks(w, row_bytes, Q5_K, n0, have, k0, kc, panel); break;
-    default: pack_panel_chunks(w, row_bytes, Q6_K, n0, have, k0, kc, panel); break;
+    case Q6_K: pack_panel_chunks(w, row_bytes, Q6_K, n0, have, k0, kc, panel); break;
+    case F32: pack_panel_chunks(w, row_bytes, F32, n0, have, k0, kc, panel); break;
+    case F16: pack_panel_chunks(w, row_bytes, F16, n0, have, k0, kc, panel); break;
+    default: pack_panel_chunks(w, row_bytes, BF16, n0, have, k0, kc, panel); break;
     }
 }
 
@@ -461,12 +472,14 @@ int quant_linear_f32(const float *x, int64_t x_stride, const uint8_t *w, int64_t
         switch (type) {
         case Q4_0: ROWS(Q4_0) break;
         case Q4_1: ROWS(Q4_1) break;
-        case Q5_0: ROWS(Q5_0) break;
         case Q5_1: ROWS(Q5_1) break;
         case Q8_0: ROWS(Q8_0) break;
         case Q4_K: ROWS(Q4_K) break;
         case Q5_K: ROWS(Q5_K) break;
-        default: ROWS(Q6_K) break;
+        case Q6_K: ROWS(Q6_K) break;
+        case F32: ROWS(F32) break;
+        case F16: ROWS(F16) break;
+        default: ROWS(BF16) break;
         }
     }
     free(xsum);

@@ -1,5 +1,5 @@
-/* A float32 linear read straight from llama.cpp's blocks (blocks.h), as the file stores them,
- * in plain C.
+/* A float32 linear read straight from llama.cpp's blocks (blocks.h), as the file stores them
+ * (or dense float32, float16 or bfloat16 rows), in plain C.
  *
  * Each weight is dequantized exactly as the loader does (float32 d * q, + m: two roundings; the
  * build does not contract them into a fused multiply-add), so these are the float32 model's
@@ -16,6 +16,10 @@
 
 /* Chunk j's 32 weights of a row, as the loader computes them. */
 static inline void dequant_chunk(const uint8_t *row, int type, int j, float *w) {
+    if (is_dense(type)) {
+        dense_values(row, type, j, w);
+        return;
+    }
     float d[2], m;
     int q[32];
     chunk_scales(row, type, j, d, &m);
