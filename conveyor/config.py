@@ -17,7 +17,7 @@ _DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.b
 _UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "kib": 2**10, "m": 1e6, "mb": 1e6, "mib": 2**20,
           "g": 1e9, "gb": 1e9, "gib": 2**30, "t": 1e12, "tb": 1e12, "tib": 2**40}
 # --quantization: GGUF block types gguf-py quantizes to (llama.cpp's reference rounding)
-QUANTIZATIONS = ("q8_0", "q5_0", "q4_0")
+QUANTIZATIONS = ("q8_0", "q4_1", "q4_0")
 DEFAULT_CPU_KV_SHARE = 0.25        # of available RAM ...
 DEFAULT_CPU_KV_CAP = 4 * 2**30     # ... but no more than vLLM's CPU default of 4 GiB
 DEFAULT_CUDA_KV_SHARE = 0.8        # of free device memory after the weights
