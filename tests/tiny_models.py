@@ -181,8 +181,9 @@ def write_gguf(path: str, model: transformers.PreTrainedModel, *,
 
     types: ggml type by GGUF tensor kind (``"attn_q"``, ``"token_embd"``...) for 2-D weights,
     F32 otherwise. A K-quant tensor is random blocks (``random_k_quant_blocks``) of the
-    weight's range: the file's weights, not the model's. tokenizer: add TINY_VOCAB as a byte-level BPE (the model's vocab_size must be
-    len(TINY_VOCAB)), so that ``load_model`` can load the file.
+    weight's range: the file's weights, not the model's. tokenizer: add TINY_VOCAB as a
+    byte-level BPE (the model's vocab_size must be len(TINY_VOCAB)), so that ``load_model``
+    can load the file.
     """
     c = model.config
     arch = c.model_type

@@ -320,9 +320,10 @@ def gguf_weights(reader: gguf.GGUFReader, config: ModelConfig) -> dict[str, torc
 
 def gguf_quantized_weights(reader: gguf.GGUFReader,
                            config: ModelConfig) -> dict[str, QuantizedWeight]:
-    """The matrices of the block types (``BLOCK_TYPES``) as stored (rows un-permuted as in ``gguf_weights``), under
-    our names: the layers' and the output head's (the embedding's, when tied). Matrices of
-    other types run as dense weights, each on its own: one line says which."""
+    """The matrices of the block types (``BLOCK_TYPES``) as stored (rows un-permuted as in
+    ``gguf_weights``; Q5_0's as Q8_0), under our names: the layers' and the output head's (the
+    embedding's, when tied). Matrices of other types run as dense weights, each on its own:
+    one line says which."""
     out: dict[str, QuantizedWeight] = {}
     dense: list[tuple[str, int]] = []
     for t in reader.tensors:
