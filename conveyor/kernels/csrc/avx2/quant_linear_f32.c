@@ -79,25 +79,7 @@ static ALWAYS_INLINE void chunk_values(const uint8_t *row, int type, int j, __m2
                 _mm256_slli_epi32(_mm256_and_si256(_mm256_srl_epi32(u8x8(qh + 8 * c), hshift),
                                                    _mm256_set1_epi32(3)), 4)),
                 _mm256_set1_epi32(32));
-    } else if (type == Q5_1) {
-        /* bit e of qh is weight e's fifth: qh shifted right by e - 4 leaves it at bit 4 (for
-         * weights 0-7, qh << 4 by e) */
-        const uint8_t *qs = b + stored_values_at(type);
-        const __m256i lo = u8x8(qs), hi = u8x8(qs + 8);
-        q[0] = _mm256_and_si256(lo, fifteen);
-        q[1] = _mm256_and_si256(hi, fifteen);
-        q[2] = _mm256_srli_epi32(lo, 4);
-        q[3] = _mm256_srli_epi32(hi, 4);
-        uint32_t bits;
-        memcpy(&bits, qs - 4, 4);
-        const __m256i qh = _mm256_set1_epi32((int)bits), lane = _mm256_setr_epi32(
-            0, 1, 2, 3, 4, 5, 6, 7);
-        for (int c = 0; c < 4; c++)
-            q[c] = _mm256_or_si256(q[c], _mm256_and_si256(_mm256_srlv_epi32(
-                c == 0 ? _mm256_slli_epi32(qh, 4) : qh,
-                _mm256_add_epi32(lane, _mm256_set1_epi32(c == 0 ? 0 : 8 * c - 4))),
-                _mm256_set1_epi32(16)));
-    } else {
+    } else {  /* weight e < 16: the low nibble of byte e, weight e + 16 its high nibble */
         const uint8_t *qs = b + stored_values_at(type);
         const __m256i lo = u8x8(qs), hi = u8x8(qs + 8);
         q[0] = _mm256_and_si256(lo, fifteen);
@@ -106,6 +88,19 @@ static ALWAYS_INLINE void chunk_values(const uint8_t *row, int type, int j, __m2
         q[3] = _mm256_srli_epi32(hi, 4);
         if (type == Q4_0)
             for (int c = 0; c < 4; c++) q[c] = _mm256_sub_epi32(q[c], _mm256_set1_epi32(8));
+        if (type == Q5_1) {
+            /* bit e of qh is weight e's fifth: qh shifted right by e - 4 leaves it at bit 4
+             * (for weights 0-7, qh << 4 by e) */
+            uint32_t bits;
+            memcpy(&bits, qs - 4, 4);
+            const __m256i qh = _mm256_set1_epi32((int)bits), lane = _mm256_setr_epi32(
+                0, 1, 2, 3, 4, 5, 6, 7);
+            for (int c = 0; c < 4; c++)
+                q[c] = _mm256_or_si256(q[c], _mm256_and_si256(_mm256_srlv_epi32(
+                    c == 0 ? _mm256_slli_epi32(qh, 4) : qh,
+                    _mm256_add_epi32(lane, _mm256_set1_epi32(c == 0 ? 0 : 8 * c - 4))),
+                    _mm256_set1_epi32(16)));
+        }
     }
     for (int c = 0; c < 4; c++) v[c] = _mm256_cvtepi32_ps(q[c]);
 }
