@@ -167,7 +167,7 @@ def _quantize(loaded: LoadedModel, ggml_type: int) -> None:
     """The folder's matrices into GGUF blocks (gguf-py's quantizer, llama.cpp's reference
     rounding), and its dense weights replaced by what those blocks hold, so that every path
     computes the same model."""
-    for name, matrix in loaded.quantized.items():
+    for name in list(loaded.quantized):
         rows = loaded.weights[name].float().numpy()
         blocks = gguf.quants.quantize(rows, ggml_type)
         loaded.quantized[name] = QuantizedWeight.from_gguf(ggml_type, blocks)

@@ -63,6 +63,17 @@ static inline const uint8_t *chunk_block(const uint8_t *row, int type, int j) {
                             : row + (int64_t)j * stored_block_bytes(type);
 }
 
+/* A Q4_K / Q5_K super-block's 12 bytes of 6-bit pairs unpacked, as ggml does: the 8 chunks'
+ * scales to bytes 0-7 of u, their mins to bytes 8-15. */
+static inline void k_scales_mins(const uint8_t *b, uint32_t u[4]) {
+    memcpy(u, b + 4, 12);
+    u[3] = ((u[2] >> 4) & 0x0f0f0f0f) | (((u[1] >> 6) & 0x03030303) << 4);
+    const uint32_t mins_lo = u[1] & 0x3f3f3f3f;
+    u[1] = (u[2] & 0x0f0f0f0f) | (((u[0] >> 6) & 0x03030303) << 4);
+    u[2] = mins_lo;
+    u[0] &= 0x3f3f3f3f;
+}
+
 /* Chunk j's factors: d[0] scales its first 16 weights, d[1] the last 16 (equal but in Q6_K),
  * *m is added to each (0 where the type has none). */
 static inline void chunk_scales(const uint8_t *row, int type, int j, float d[2], float *m) {
@@ -75,13 +86,10 @@ static inline void chunk_scales(const uint8_t *row, int type, int j, float d[2],
         d[0] = dd * (float)(int8_t)b[192 + 2 * (j & 7)];
         d[1] = dd * (float)(int8_t)b[193 + 2 * (j & 7)];
     } else if (type == Q4_K || type == Q5_K) {
-        /* the 6-bit pairs, unpacked as ggml's get_scale_min_k4 */
-        const uint8_t *s = b + 4;
-        const int i = j & 7;
-        const int sc = i < 4 ? s[i] & 63 : (s[i + 4] & 15) | ((s[i - 4] >> 6) << 4);
-        const int mn = i < 4 ? s[i + 4] & 63 : (s[i + 4] >> 4) | ((s[i] >> 6) << 4);
-        d[0] = d[1] = half_load(b) * (float)sc;
-        *m = -(half_load(b + 2) * (float)mn);
+        uint32_t u[4];
+        k_scales_mins(b, u);
+        d[0] = d[1] = half_load(b) * (float)((const uint8_t *)u)[j & 7];
+        *m = -(half_load(b + 2) * (float)((const uint8_t *)u)[8 + (j & 7)]);
     } else {
         d[0] = d[1] = half_load(b);
         if (type == Q4_1 || type == Q5_1) *m = half_load(b + 2);
@@ -91,13 +99,14 @@ static inline void chunk_scales(const uint8_t *row, int type, int j, float d[2],
 /* Chunk j's 32 weights of a dense type, as float32 (exact). */
 static inline void dense_values(const uint8_t *row, int type, int j, float w[32]) {
     const uint8_t *b = chunk_block(row, type, j);
+    if (type == F32) {
+        memcpy(w, b, 128);
+        return;
+    }
     for (int e = 0; e < 32; e++) {
         uint16_t h;
         memcpy(&h, b + 2 * e, 2);
-        if (type == F32)
-            memcpy(&w[e], b + 4 * e, 4);
-        else
-            w[e] = type == BF16 ? bf16_load(h) : half_load(b + 2 * e);
+        w[e] = type == BF16 ? bf16_load(h) : half_load(b + 2 * e);
     }
 }
 

@@ -115,14 +115,8 @@ static ALWAYS_INLINE void block_scales(const uint8_t *b, int type, float d[8][2]
             _mm256_storeu_ps(&d[4 * h][0], _mm256_mul_ps(dd, _mm256_cvtepi32_ps(
                 _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(b + 192 + 8 * h))))));
     } else if (type == Q4_K || type == Q5_K) {
-        /* ggml's unpacking of the 12 bytes: sc[0..7] to bytes 0-7 of u, mn[0..7] to 8-15 */
         uint32_t u[4];
-        memcpy(u, b + 4, 12);
-        u[3] = ((u[2] >> 4) & 0x0f0f0f0f) | (((u[1] >> 6) & 0x03030303) << 4);
-        const uint32_t mins_lo = u[1] & 0x3f3f3f3f;
-        u[1] = (u[2] & 0x0f0f0f0f) | (((u[0] >> 6) & 0x03030303) << 4);
-        u[2] = mins_lo;
-        u[0] &= 0x3f3f3f3f;
+        k_scales_mins(b, u);
         const __m256 sc = _mm256_mul_ps(_mm256_set1_ps(half_load(b)), _mm256_cvtepi32_ps(
             u8x8((const uint8_t *)u)));
         const __m256 mn = _mm256_mul_ps(_mm256_set1_ps(half_load(b + 2)), _mm256_cvtepi32_ps(
@@ -146,7 +140,7 @@ static ALWAYS_INLINE void rows_times_blocks(int R, int type, const float *x, int
                                             int64_t y_stride, int n0, int n1) {
     const int chunks = k / 32, chains = R == 1 ? 2 : 1, per = values_per_block(type) / 32;
     /* bytes of a row a chunk takes: how far along the row AHEAD rows on to ask for */
-    const int64_t step = stored_block_bytes(type) / (values_per_block(type) / 32);
+    const int64_t step = stored_block_bytes(type) / per;
     for (int n = n0; n < n1; n++) {
         const uint8_t *row = w + (int64_t)n * row_bytes;
         __m256 dacc[FEW_ROWS][2], macc[FEW_ROWS][2];
@@ -155,7 +149,7 @@ static ALWAYS_INLINE void rows_times_blocks(int R, int type, const float *x, int
                 dacc[r][h] = macc[r][h] = _mm256_setzero_ps();
         for (int j0 = 0; j0 < chunks; j0 += per) {
           float ds[8][2], ms[8];
-          block_scales(row + (int64_t)(j0 / per) * stored_block_bytes(type), type, ds, ms);
+          block_scales(chunk_block(row, type, j0), type, ds, ms);
           #pragma GCC unroll 8
           for (int c = 0; c < per; c++) {  /* unrolled: each chunk's shifts are constants */
             const int j = j0 + c, h = chains == 2 ? j & 1 : 0;
