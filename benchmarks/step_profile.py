@@ -155,7 +155,8 @@ def main() -> None:
     spent: dict[str, float] = defaultdict(float)
     runner = engine.runner
     clock(engine.scheduler, "schedule", spent, "schedule")
-    clock(runner, "_prepare", spent, "prepare inputs")
+    clock(runner, "plan", spent, "prepare inputs")
+    clock(runner, "_inputs", spent, "prepare inputs")
     clock(model, "compute_logits", spent, "logits (lm_head)")
     clock(runner, "sampler", spent, "sample")
     for mod in model.layers.modules():

@@ -59,6 +59,9 @@ class EngineConfig:
     device: str | None = None   # None: CUDA when present, else CPU
     threads: int | None = None  # CPU threads for the model; None: PyTorch's default
     quantization: str | None = None  # a folder's linears into these GGUF blocks at load
+    tensor_parallel_size: int = 1    # ranks the layers are split across (torch.distributed)
+    data_parallel_size: int = 1      # engine replicas behind one server
+    distributed_init_method: str | None = None  # e.g. tcp://HOST:PORT; default: local or env://
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in _DTYPES:
@@ -72,7 +75,8 @@ class EngineConfig:
             raise ValueError(f"kv_layout must be one of {KV_LAYOUTS}, got {self.kv_layout!r}")
         if self.kv_layout == "contiguous":
             self.enable_prefix_caching = False  # a region belongs to one request
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens",
+                     "tensor_parallel_size", "data_parallel_size"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {getattr(self, name)!r}")
         for name in ("num_kv_blocks", "max_model_len", "threads"):

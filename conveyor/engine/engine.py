@@ -21,6 +21,7 @@ from conveyor.engine.detokenizer import IncrementalDetokenizer
 from conveyor.engine.faults import FAULTS, EngineKilled, InjectedFault, fault_for
 from conveyor.engine.grammar import GrammarCompiler, UnsatisfiableConstraint, consume
 from conveyor.engine.kv_cache_manager import make_kv_cache_manager
+from conveyor.engine.parallel import TensorParallel
 from conveyor.engine.request import Request, RequestStatus
 from conveyor.engine.scheduler import Scheduler, SchedulerConfig
 from conveyor.engine.timeline import BatchTimeline
@@ -90,9 +91,29 @@ def _check_text(text: str, what: str) -> None:
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
+        started = time.monotonic()
+        # Workers start first, to load their copy while this rank loads its own.
+        self.tensor_parallel = (TensorParallel.start(config) if config.tensor_parallel_size > 1
+                                else None)
         if config.threads is not None:
             torch.set_num_threads(config.threads)
-        started = time.monotonic()
+        try:
+            self._load(config, started)
+        except BaseException:
+            self.shutdown()
+            raise
+        self._states: dict[str, _RequestState] = {}
+        self._live_samples: dict[str, tuple[_RequestState, _Sample]] = {}  # by sample id
+        self.steps: deque[StepRecord] = deque(maxlen=STEP_HISTORY)
+        self.num_steps = 0
+        self.timeline = BatchTimeline(config.max_num_seqs)
+        # The model, tokenizer and libraries loaded so far are permanent: moved out of the
+        # cycle collector's sight, its collections only walk what the steps create (they were
+        # ~5% of a one-request step here), as vLLM's engine does after start-up.
+        gc.collect()
+        gc.freeze()
+
+    def _load(self, config: EngineConfig, started: float) -> None:
         loaded = load_model(config.model, config.quantization)
         self.model_name = loaded.name
         self.model_path = loaded.path
@@ -106,7 +127,8 @@ class LLMEngine:
         self.dtype = config.torch_dtype(loaded.config.torch_dtype, self.device)
         self.dtype_reason = config.dtype_reason(loaded.config.torch_dtype, self.device)
 
-        per_block = kv_bytes_per_block(loaded.config, config.block_size, self.dtype)
+        per_block = kv_bytes_per_block(loaded.config, config.block_size, self.dtype,
+                                       config.tensor_parallel_size)
         num_blocks = config.num_kv_blocks or config.kv_cache_bytes(self.device) // per_block
         model_len = config.max_model_len
         if model_len is None:  # the model's own limit, clamped to what the pool can hold
@@ -117,25 +139,26 @@ class LLMEngine:
                             config.policy, config.scheduling_policy),
             make_kv_cache_manager(config.kv_layout, num_blocks, config.block_size, model_len,
                                   config.enable_prefix_caching))
-        self.runner = ModelRunner(loaded.config, loaded.weights, dtype=self.dtype,
-                                  device=self.device, num_blocks=num_blocks,
-                                  block_size=config.block_size, max_model_len=model_len,
-                                  seed=config.seed, quantized=loaded.quantized)
+        setup = dict(dtype=self.dtype, num_blocks=num_blocks, max_model_len=model_len)
+        tp = self.tensor_parallel
+        if tp is not None:  # the workers build their shards of the same pool
+            tp.send(setup)
+        self.runner = ModelRunner(loaded.config, loaded.weights, quantized=loaded.quantized,
+                                  device=self.device if tp is None else tp.device,
+                                  block_size=config.block_size, seed=config.seed,
+                                  tensor_parallel=tp, **setup)
+        if tp is not None:
+            tp.barrier()
         self.kv_cache_bytes = num_blocks * per_block
         self.load_seconds = time.monotonic() - started  # the file, its weights placed, kernels
         logger.info("loaded %s in %.1f s; dtype %s (%s); %s", loaded.name, self.load_seconds,
                     str(self.dtype).removeprefix("torch."), self.dtype_reason,
                     self.runner.kernel_path)
-        self._states: dict[str, _RequestState] = {}
-        self._live_samples: dict[str, tuple[_RequestState, _Sample]] = {}  # by sample id
-        self.steps: deque[StepRecord] = deque(maxlen=STEP_HISTORY)
-        self.num_steps = 0
-        self.timeline = BatchTimeline(config.max_num_seqs)
-        # The model, tokenizer and libraries loaded so far are permanent: moved out of the
-        # cycle collector's sight, its collections only walk what the steps create (they were
-        # ~5% of a one-request step here), as vLLM's engine does after start-up.
-        gc.collect()
-        gc.freeze()
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers (a no-op on one rank)."""
+        if self.tensor_parallel is not None:
+            self.tensor_parallel.close()
 
     # -- requests ------------------------------------------------------------------------------
     def tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -186,6 +187,9 @@ class FeedForward(nn.Module):
 
 
 class TransformerBlock(nn.Module):
+    # Tensor parallel: sums the ranks' partial outputs of the row-parallel linears, in place.
+    all_reduce: Callable[[torch.Tensor], None] | None = None
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.attention_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -201,8 +205,14 @@ class TransformerBlock(nn.Module):
             x, residual = self.attention_norm(h), h
         else:
             x, residual = self.attention_norm(h, residual)
-        x, residual = self.ffn_norm(self.attention(x, cos, sin, kv_cache, meta), residual)
-        return self.feed_forward(x), residual
+        x = self.attention(x, cos, sin, kv_cache, meta)
+        if self.all_reduce is not None:
+            self.all_reduce(x)
+        x, residual = self.ffn_norm(x, residual)
+        x = self.feed_forward(x)
+        if self.all_reduce is not None:
+            self.all_reduce(x)
+        return x, residual
 
 
 class Transformer(nn.Module):
@@ -252,6 +262,12 @@ class Transformer(nn.Module):
             return torch.ops.mkldnn._linear_pointwise(hidden, self.packed_head, None, "none", [],
                                                       "").float()
         return F.linear(hidden, self.tok_embeddings.weight).float()
+
+    def use_all_reduce(self, all_reduce: Callable[[torch.Tensor], None]) -> None:
+        """This rank holds a tensor-parallel shard: sum the attention and feed-forward outputs
+        over the ranks (2 all-reduces a layer)."""
+        for layer in self.layers:
+            layer.all_reduce = all_reduce
 
     def use_elementwise_kernels(self, kernels: CPUKernels) -> None:
         """Run the residual-stream norms (not Qwen3's per-head q/k norms) and SiLU(gate) * up

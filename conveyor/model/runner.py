@@ -4,10 +4,12 @@ the sampling inputs, then returns each finishing request's next token."""
 from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
 
 import torch
 
 from conveyor.engine.grammar import BatchBitmask, bitmask_width
+from conveyor.engine.parallel import TensorParallel
 from conveyor.engine.request import Request
 from conveyor.engine.scheduler import SchedulerOutput
 from conveyor.kernels.library import cpu_kernels, describe
@@ -17,9 +19,10 @@ from conveyor.model.config import ModelConfig
 from conveyor.model.gguf_file import QuantizedWeight
 from conveyor.model.model import Transformer, can_prepack, rope_tables
 from conveyor.model.sampler import GrammarMask, SampleResult, Sampler, first_max
+from conveyor.model.sharding import ffn_granule, kv_heads_per_rank, plan_shards, shard_model
 
 
-# A chunk's tokens go through the decode kernel as queries of their own (see ModelRunner._prepare)
+# A chunk's tokens go through the decode kernel as queries of their own (see ModelRunner.plan)
 # while their attention work, the contexts its tokens read, is at most this (in the model's
 # dtype). Each query reads its whole context, where SDPA reads a block of queries' context once;
 # but the step is then one decode-stack call. bfloat16 (AVX-512/AMX): alone, a prompt's prefill
@@ -48,17 +51,43 @@ def group_decodes(decodes: list[Request]) -> list[list[Request]]:
     return groups
 
 
-def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+@dataclass
+class StepPlan:
+    """One step's inputs as plain lists: what rank 0 sends the other tensor-parallel ranks
+    (no tensors, no requests), from which each builds the same tensors."""
+
+    ids: list[int] = field(default_factory=list)        # flat token ids, decodes first
+    positions: list[int] = field(default_factory=list)
+    slots: list[int] = field(default_factory=list)      # where each token's K/V is written
+    # single-token query groups: (block tables padded to one width, context lengths)
+    decode_groups: list[tuple[list[list[int]], list[int]]] = field(default_factory=list)
+    # multi-token chunks: (tokens, tokens already cached, pages of the context or None)
+    prefills: list[tuple[int, int, list[int] | None]] = field(default_factory=list)
+    logits_rows: list[int] = field(default_factory=list)  # the rows that sample
+
+
+def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype,
+                       tensor_parallel_size: int = 1) -> int:
+    """A page's bytes, over all tensor-parallel ranks (a replicated KV head counts on each)."""
     elem = torch.tensor([], dtype=dtype).element_size()
-    return 2 * config.num_layers * block_size * config.num_kv_heads * config.head_dim * elem
+    kv_heads = sum(kv_heads_per_rank(config, tensor_parallel_size))
+    return 2 * config.num_layers * block_size * kv_heads * config.head_dim * elem
 
 
 class ModelRunner:
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], *,
                  dtype: torch.dtype, device: torch.device, num_blocks: int, block_size: int,
                  max_model_len: int, seed: int,
-                 quantized: dict[str, QuantizedWeight] | None = None) -> None:
-        """quantized: the GGUF's block-quantized matrices, read by the CPU kernel at small M."""
+                 quantized: dict[str, QuantizedWeight] | None = None,
+                 tensor_parallel: TensorParallel | None = None) -> None:
+        """quantized: the GGUF's block-quantized matrices, read by the CPU kernel at small M.
+        tensor_parallel: this rank's group; the runner then holds the rank's shard."""
+        self.tensor_parallel = tensor_parallel
+        if tensor_parallel is not None:
+            quantized = quantized or {}
+            shard = plan_shards(config, tensor_parallel.world_size,
+                                ffn_granule(config, quantized))[tensor_parallel.rank]
+            config, weights, quantized = shard_model(config, weights, quantized, shard)
         self.config = config
         self.device = device
         self.dtype = dtype
@@ -82,11 +111,14 @@ class ModelRunner:
         self.rope_kv_write = kernels.rope_kv_write if kernels is not None else None
         self._bitmask = BatchBitmask()
         self._bitmask_thread = ThreadPoolExecutor(1, thread_name_prefix="conveyor-bitmask")
+        if tensor_parallel is not None:
+            self.model.use_all_reduce(tensor_parallel.all_reduce)
         if kernels is not None:
             self.model.use_elementwise_kernels(kernels)
             if kernels.quant_linear is not None and quantized:
                 self.model.use_quant_linear(kernels.quant_linear, quantized)
-                self.model.use_decode_stack(kernels, self.kv_caches)
+                if tensor_parallel is None:  # (its one call runs every layer: no all-reduce)
+                    self.model.use_decode_stack(kernels, self.kv_caches)
 
     def _tensor(self, data: list, dtype: torch.dtype = torch.long) -> torch.Tensor:
         return torch.tensor(data, dtype=dtype, device=self.device)
@@ -95,9 +127,9 @@ class ModelRunner:
         bs, table = self.block_size, request.block_ids
         return [table[p // bs] * bs + p % bs for p in range(start, end)]
 
-    def _prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor,
-                                                       AttentionMetadata, list[int], list[Request]]:
-        """Flat token ids, positions and attention metadata: decodes first, then chunks."""
+    def plan(self, out: SchedulerOutput) -> tuple[StepPlan, list[Request]]:
+        """The step as plain lists (what tensor-parallel ranks are sent), decodes first, then
+        chunks; and the requests that sample, in the order of its logits rows."""
         queries = [r for r, n in out.scheduled if n == 1]
         # The kernel takes each context at its own length, so all decodes form one group.
         decode_groups = (group_decodes(queries) if self.decode_kernel is None
@@ -114,17 +146,13 @@ class ModelRunner:
                    and len(decodes) + sum(n for _, n in chunks) <= stack.max_rows
                    and all(n * (2 * r.num_computed_tokens + n + 1) // 2
                            <= UNIFIED_CHUNK_WORK.get(self.dtype, 0) for r, n in chunks))
-        ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
+        plan = StepPlan()
         for r, n in decodes + chunks:
             start = r.num_computed_tokens
-            ids += r.all_token_ids[start:start + n]
-            positions += range(start, start + n)
-            slots += self._slots(r, start, start + n)
+            plan.ids += r.all_token_ids[start:start + n]
+            plan.positions += range(start, start + n)
+            plan.slots += self._slots(r, start, start + n)
 
-        bs = self.block_size
-        groups, offset = [], 0
         # (request, its query's context length), a row each
         query_groups = [[(r, r.num_computed_tokens + 1) for r in g] for g in decode_groups]
         if unified:  # one group (the kernel's): the decodes, then every chunk token
@@ -133,38 +161,48 @@ class ModelRunner:
                                for i in range(n)]]
         for group in query_groups:
             width = max(len(r.block_ids) for r, _ in group)
-            # int32, as the kernel reads them (index_select and the mask take int32 too)
-            tables = self._tensor([r.block_ids + [0] * (width - len(r.block_ids))
-                                   for r, _ in group], torch.int32)
-            lens = self._tensor([n for _, n in group], torch.int32)
-            mask = None if self.decode_kernel is not None else (
-                torch.arange(width * bs, device=self.device).unsqueeze(0)
-                < lens.unsqueeze(1))[:, None, None, :]
-            groups.append(DecodeGroup(offset, offset + len(group), tables, lens, mask))
-            offset += len(group)
-
-        prefills = []
+            plan.decode_groups.append(([r.block_ids + [0] * (width - len(r.block_ids))
+                                        for r, _ in group], [n for _, n in group]))
+        bs = self.block_size
         for r, n in ([] if unified else chunks):
             ctx = r.num_computed_tokens
-            if ctx == 0:
+            plan.prefills.append((n, ctx, r.block_ids[:-(-(ctx + n) // bs)] if ctx else None))
+
+        # A request samples when this step brings its computed tokens level with its tokens.
+        sampling, end = [], 0
+        for r, n in decodes + chunks:
+            end += n
+            if r.num_computed_tokens + n == r.num_tokens:
+                plan.logits_rows.append(end - 1)
+                sampling.append(r)
+        return plan, sampling
+
+    def _inputs(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """The plan's token ids, positions and attention metadata as tensors."""
+        bs = self.block_size
+        groups, offset = [], 0
+        for table, context_lens in plan.decode_groups:
+            # int32, as the kernel reads them (index_select and the mask take int32 too)
+            tables = self._tensor(table, torch.int32)
+            lens = self._tensor(context_lens, torch.int32)
+            mask = None if self.decode_kernel is not None else (
+                torch.arange(tables.shape[1] * bs, device=self.device).unsqueeze(0)
+                < lens.unsqueeze(1))[:, None, None, :]
+            groups.append(DecodeGroup(offset, offset + len(table), tables, lens, mask))
+            offset += len(table)
+        prefills = []
+        for n, ctx, pages in plan.prefills:
+            if pages is None:
                 prefills.append(PrefillChunk(offset, offset + n, n, None, None))
             else:
                 q_pos = torch.arange(ctx, ctx + n, device=self.device).unsqueeze(1)
                 k_pos = torch.arange(ctx + n, device=self.device).unsqueeze(0)
-                pages = self._tensor(r.block_ids[:-(-(ctx + n) // bs)])
-                prefills.append(PrefillChunk(offset, offset + n, ctx + n, pages, k_pos <= q_pos))
+                prefills.append(PrefillChunk(offset, offset + n, ctx + n, self._tensor(pages),
+                                             k_pos <= q_pos))
             offset += n
-
-        # A request samples when this step brings its computed tokens level with its tokens.
-        logits_rows, sampling, end = [], [], 0
-        for r, n in decodes + chunks:
-            end += n
-            if r.num_computed_tokens + n == r.num_tokens:
-                logits_rows.append(end - 1)
-                sampling.append(r)
-        meta = AttentionMetadata(self._tensor(slots), groups, prefills, self.decode_kernel,
+        meta = AttentionMetadata(self._tensor(plan.slots), groups, prefills, self.decode_kernel,
                                  self.rope_kv_write)
-        return self._tensor(ids), self._tensor(positions), meta, logits_rows, sampling
+        return self._tensor(plan.ids), self._tensor(plan.positions), meta
 
     def _start_grammar_mask(self, sampling: list[Request]
                             ) -> tuple[list[int], torch.Tensor, Future] | None:
@@ -179,18 +217,27 @@ class ModelRunner:
         return rows, bitmask, job
 
     @torch.inference_mode()
+    def forward(self, plan: StepPlan) -> torch.Tensor:
+        """The network over the plan's tokens: their last hidden states. Every tensor-parallel
+        rank runs this on the same plan, its layers meeting the others' at the all-reduces."""
+        ids, positions, meta = self._inputs(plan)
+        cos = self.cos[positions].unsqueeze(1)
+        sin = self.sin[positions].unsqueeze(1)
+        return self.model(ids, cos, sin, self.kv_caches, meta)
+
+    @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> dict[str, SampleResult]:
         self.sampler.forget(out.finished_ids)
         if out.is_empty:
             return {}
-        ids, positions, meta, logits_rows, sampling = self._prepare(out)
+        plan, sampling = self.plan(out)
+        if self.tensor_parallel is not None:
+            self.tensor_parallel.send(plan)
         pending = self._start_grammar_mask(sampling)
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
-        hidden = self.model(ids, cos, sin, self.kv_caches, meta)
-        if not logits_rows:
+        hidden = self.forward(plan)
+        if not plan.logits_rows:
             return {}
-        logits = self.model.compute_logits(hidden[self._tensor(logits_rows)])
+        logits = self.model.compute_logits(hidden[self._tensor(plan.logits_rows)])
         grammar = None
         if pending is not None:
             rows, bitmask, job = pending

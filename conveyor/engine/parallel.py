@@ -1,0 +1,187 @@
+"""Tensor-parallel ranks on torch.distributed (gloo on CPUs, NCCL on CUDA GPUs).
+
+Rank 0 is the engine: it runs the scheduler and block pool, sends each step's plan to the other
+ranks and samples. The others hold their shard of the weights and KV pages (the same page ids)
+and run every plan through their layers, meeting rank 0 at each all-reduce. By default rank 0
+starts them as local processes; under ``torchrun`` (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``,
+``MASTER_PORT`` set) every rank runs the same command and those above 0 become workers.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from conveyor.config import EngineConfig
+
+logger = logging.getLogger("conveyor")
+
+# A collective waits this long for a rank that is alive but stuck (a dead one is seen at once:
+# its sockets close).
+TIMEOUT = timedelta(seconds=300)
+
+
+def launched_by_torchrun() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class TensorParallel:
+    """This process's rank in the tensor-parallel group and the group's collectives, with
+    counts of the all-reduces (the figures the step timings and tests read)."""
+
+    def __init__(self, rank: int, world_size: int, init_method: str, device: torch.device,
+                 workers: list[mp.Process] | None = None) -> None:
+        self.rank, self.world_size = rank, world_size
+        self.device = device
+        self.workers = workers or []
+        self.num_all_reduces = 0
+        self.all_reduce_bytes = 0
+        self.all_reduce_seconds = 0.0
+        dist.init_process_group(_backend(device), init_method=init_method, rank=rank,
+                                world_size=world_size, timeout=TIMEOUT)
+        self._closed = False
+
+    @classmethod
+    def start(cls, config: EngineConfig) -> TensorParallel:
+        """Rank 0's group: join torchrun's ranks, or start the workers as local processes."""
+        world = config.tensor_parallel_size
+        device = config.torch_device()
+        if launched_by_torchrun():
+            if int(os.environ["WORLD_SIZE"]) != world:
+                raise ValueError(f"WORLD_SIZE {os.environ['WORLD_SIZE']} is not "
+                                 f"--tensor-parallel-size {world}")
+            _set_threads(config, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+            return cls(0, world, config.distributed_init_method or "env://",
+                       _rank_device(device, 0))
+        init = config.distributed_init_method or f"tcp://127.0.0.1:{_free_port()}"
+        threads = _set_threads(config, world)
+        spawn = mp.get_context("spawn")
+        workers = [spawn.Process(target=run_worker, args=(config, rank, init, threads),
+                                 name=f"conveyor-tp{rank}", daemon=True)
+                   for rank in range(1, world)]
+        for w in workers:
+            w.start()
+        logger.info("tensor parallel: %d ranks (%s over %s), %d threads each", world,
+                    _backend(device), init, threads)
+        return cls(0, world, init, _rank_device(device, 0), workers)
+
+    # -- collectives ---------------------------------------------------------------------------
+    def all_reduce(self, x: torch.Tensor) -> None:
+        """Sum ``x`` over the ranks, in place (the row-parallel linears' partial sums)."""
+        start = time.perf_counter()
+        dist.all_reduce(x)
+        self.all_reduce_seconds += time.perf_counter() - start
+        self.num_all_reduces += 1
+        self.all_reduce_bytes += x.numel() * x.element_size()
+
+    def send(self, message: Any) -> None:
+        """From rank 0 to every rank (a step's plan, the pool's size; None: stop)."""
+        dist.broadcast_object_list([message], src=0, device=self._object_device())
+
+    def receive(self) -> Any:
+        box = [None]
+        dist.broadcast_object_list(box, src=0, device=self._object_device())
+        return box[0]
+
+    def barrier(self) -> None:
+        dist.barrier()
+
+    def _object_device(self) -> torch.device | None:
+        return self.device if self.device.type == "cuda" else None
+
+    # -- life ----------------------------------------------------------------------------------
+    def watch(self, on_death: Callable[[str], None], every: float = 0.5) -> None:
+        """Call ``on_death(reason)`` once, from a thread, if a local worker process ends."""
+
+        def poll() -> None:
+            while not self._closed:
+                for w in self.workers:
+                    if w.exitcode is not None and not self._closed:
+                        on_death(f"tensor-parallel worker {w.name} exited with {w.exitcode}")
+                        return
+                time.sleep(every)
+
+        threading.Thread(target=poll, name="conveyor-tp-watch", daemon=True).start()
+
+    def close(self) -> None:
+        """Tell the workers to stop and wait for them; the process group is gone after."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.rank == 0 and all(w.exitcode is None for w in self.workers):
+            try:
+                self.send(None)
+            except RuntimeError:  # a worker is gone already
+                pass
+        for w in self.workers:
+            w.join(10)
+            if w.exitcode is None:
+                w.kill()
+        dist.destroy_process_group()
+
+
+def _backend(device: torch.device) -> str:
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def _rank_device(device: torch.device, local_rank: int) -> torch.device:
+    if device.type != "cuda":
+        return device
+    torch.cuda.set_device(local_rank)
+    return torch.device("cuda", local_rank)
+
+
+def _set_threads(config: EngineConfig, local_ranks: int) -> int:
+    """--threads, or the machine's cores shared among its ranks."""
+    threads = config.threads or max(1, (os.cpu_count() or 1) // local_ranks)
+    torch.set_num_threads(threads)
+    return threads
+
+
+def run_worker(config: EngineConfig, rank: int | None = None, init_method: str | None = None,
+               threads: int | None = None) -> None:
+    """A rank above 0: its shard of the model, then every step's plan until told to stop.
+    Without arguments, the rank and group come from torchrun's environment."""
+    from conveyor.model.loader import load_model
+    from conveyor.model.runner import ModelRunner
+
+    logging.basicConfig(level=logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    device = config.torch_device()
+    if rank is None:
+        rank = int(os.environ["RANK"])
+        local_rank = int(os.environ.get("LOCAL_RANK", rank))
+        _set_threads(config, int(os.environ.get("LOCAL_WORLD_SIZE",
+                                                config.tensor_parallel_size)))
+        init_method = config.distributed_init_method or "env://"
+    else:
+        local_rank = rank
+        torch.set_num_threads(threads)
+    group = TensorParallel(rank, config.tensor_parallel_size, init_method,
+                           _rank_device(device, local_rank))
+    loaded = load_model(config.model, config.quantization)
+    setup = group.receive()
+    runner = ModelRunner(loaded.config, loaded.weights, quantized=loaded.quantized,
+                         device=group.device, seed=config.seed, block_size=config.block_size,
+                         tensor_parallel=group, **setup)
+    del loaded
+    group.barrier()  # ready: rank 0 waits for every rank
+    while (plan := group.receive()) is not None:
+        runner.forward(plan)
+    group.close()
