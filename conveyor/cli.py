@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import sys
 import time
 
@@ -40,6 +41,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--threads", type=int, default=None, help="CPU threads for the model")
     g.add_argument("--quantization", default=None, choices=QUANTIZATIONS,
                    help="quantize a Hugging Face folder's linears into these GGUF blocks at load")
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="split the layers across this many ranks (torch.distributed: local "
+                        "processes, or torchrun's ranks)")
+    g.add_argument("--data-parallel-size", "-dp", type=int, default=1,
+                   help="serve with this many engine replicas (conveyor serve)")
+    g.add_argument("--distributed-init-method", default=None, metavar="tcp://HOST:PORT",
+                   help="where the ranks meet (default: a local port, or env:// under torchrun)")
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -52,7 +60,20 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                         enable_prefix_caching=args.enable_prefix_caching,
                         scheduling_policy=args.scheduling_policy, seed=args.seed,
                         device=args.device, threads=args.threads,
-                        quantization=args.quantization)
+                        quantization=args.quantization,
+                        tensor_parallel_size=args.tensor_parallel_size,
+                        data_parallel_size=args.data_parallel_size,
+                        distributed_init_method=args.distributed_init_method)
+
+
+def _torchrun_worker(args: argparse.Namespace) -> bool:
+    """Under torchrun every rank runs the command: ranks above 0 serve rank 0's steps."""
+    from conveyor.engine.parallel import launched_by_torchrun, run_worker
+
+    if args.tensor_parallel_size == 1 or not launched_by_torchrun() or os.environ["RANK"] == "0":
+        return False
+    run_worker(engine_config(args))
+    return True
 
 
 def _generate(args: argparse.Namespace) -> None:
@@ -65,8 +86,12 @@ def _generate(args: argparse.Namespace) -> None:
     llm = LLM(**dataclasses.asdict(engine_config(args)))
     prompts = args.prompt or ["The three most useful things to know about continuous batching are"]
     t0 = time.monotonic()
-    outputs = (llm.chat([[{"role": "user", "content": p}] for p in prompts], params, use_tqdm=False)
-               if args.chat else llm.generate(prompts, params, use_tqdm=False))
+    try:
+        outputs = (llm.chat([[{"role": "user", "content": p}] for p in prompts], params,
+                            use_tqdm=False)
+                   if args.chat else llm.generate(prompts, params, use_tqdm=False))
+    finally:
+        llm.engine.shutdown()
     elapsed = time.monotonic() - t0
     for prompt, out in zip(prompts, outputs):
         c = out.outputs[0]
@@ -152,6 +177,8 @@ def main(argv: list[str] | None = None) -> None:
     add_bench_parser(sub)
     args = parser.parse_args(argv)
     try:
+        if args.handler in (_generate, _serve) and _torchrun_worker(args):
+            return
         args.handler(args)
     except (ValueError, OSError, RuntimeError) as e:
         print(f"conveyor: error: {e}", file=sys.stderr)

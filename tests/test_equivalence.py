@@ -96,13 +96,22 @@ def compare(ours: list[int], ref: list[int], gaps: list[float], tie: float = TIE
 
 
 def run_conveyor(path: str | None, prompts, policy: str, dtype: str = "float32",
-                 new_tokens: int = NEW_TOKENS, max_num_seqs: int = 12):
+                 new_tokens: int = NEW_TOKENS, max_num_seqs: int = 12,
+                 tensor_parallel_size: int = 1, check=None):
+    """check(llm): called after the run, before the engine shuts down."""
     llm = LLM(model=path, dtype=dtype, policy=policy, block_size=16, num_kv_blocks=20,
-              max_model_len=160, max_num_seqs=max_num_seqs, max_num_batched_tokens=64)
-    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    pool = llm.engine.scheduler.kv.pool
-    assert pool.num_free_blocks == pool.num_blocks, "KV pages leaked"
+              max_model_len=160, max_num_seqs=max_num_seqs, max_num_batched_tokens=64,
+              tensor_parallel_size=tensor_parallel_size)
+    try:
+        params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                               use_tqdm=False)
+        pool = llm.engine.scheduler.kv.pool
+        assert pool.num_free_blocks == pool.num_blocks, "KV pages leaked"
+        if check is not None:
+            check(llm)
+    finally:
+        llm.engine.shutdown()
     return outputs
 
 

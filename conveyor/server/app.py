@@ -85,7 +85,8 @@ def build_app(state: ServerState, ready_message: str = "", api_key: str | None =
                            dtype=str(engine.dtype).removeprefix("torch."),
                            dtype_reason=engine.dtype_reason, cpu_isa=cpu.tier,
                            cpu_isa_reason=cpu.describe(), kernels=engine.runner.kernel_path,
-                           load_seconds=round(engine.load_seconds, 3))
+                           load_seconds=round(engine.load_seconds, 3),
+                           tensor_parallel_size=engine.config.tensor_parallel_size)
 
     @app.get("/v1/models")
     async def models() -> ModelList:

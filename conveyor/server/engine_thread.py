@@ -196,6 +196,8 @@ class EngineThread:
             self._inbox.put(_STOP)
             self._started.set()
             self._thread.join(timeout)
+        if not self._thread.is_alive():  # (a step still running holds the workers)
+            self.engine.shutdown()
 
     @property
     def num_open(self) -> int:
@@ -255,6 +257,8 @@ class EngineThread:
             built.set_exception(e)
             return
         self._started.wait()
+        if self.engine.tensor_parallel is not None:
+            self.engine.tensor_parallel.watch(self._lose_worker)
         try:
             while self._drain(block=not self.engine.has_unfinished_requests()):
                 if self.engine.has_unfinished_requests():
@@ -263,6 +267,15 @@ class EngineThread:
         except BaseException as e:  # the engine's state is unknown now: fail loudly, exit
             logger.critical("the engine thread died", exc_info=e)
             self._die(f"the engine died: {type(e).__name__}: {e}")
+
+    def _lose_worker(self, reason: str) -> None:
+        """From the watcher's thread: the engine dies of it between two steps (inside one, the
+        collective waiting on the worker has raised already)."""
+
+        def fail(_: LLMEngine) -> None:
+            raise RuntimeError(reason)
+
+        self._inbox.put(_Call(fail, concurrent.futures.Future()))
 
     def _die(self, reason: str) -> None:
         """Every request in flight or queued gets an error; then the process is told to go

@@ -1,0 +1,165 @@
+"""Tensor parallelism over torch.distributed (gloo, local processes): the shard plan, greedy
+tokens with 2 ranks equal to 1 rank's (float32), the all-reduces a step makes, the server on 2
+ranks, torchrun's launch, and a worker's death taking the server down."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+import gguf
+import httpx
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from server_process import running_server
+from test_equivalence import random_prompts, run_conveyor, text_prompts
+# The server tests that run again here against a 2-rank server (the `server` fixture below).
+from test_server import (  # noqa: F401
+    test_32_concurrent_streams_batch_together, test_chat_streamed_equals_non_streamed,
+    test_completion_streamed_equals_non_streamed, test_disconnect_frees_pages,
+    test_n2_and_several_prompts, test_repeated_prefix_is_served_from_the_cache)
+
+from conveyor.bench.launcher import free_port
+from conveyor.model.config import ModelConfig
+from conveyor.model.gguf_file import QuantizedWeight, load_gguf_tokenizer
+from conveyor.model.sharding import _slice_blocks, kv_heads_per_rank, plan_shards
+
+SMOLLM2 = ModelConfig("llama", 49152, 576, 1536, 30, 9, 3, 64, 1e-5, 1e4, None, 2048, True,
+                      False, False, None)
+
+
+def config(heads: int, kv_heads: int, intermediate: int) -> ModelConfig:
+    return ModelConfig("llama", 100, 64, intermediate, 2, heads, kv_heads, 16, 1e-5, 1e4, None,
+                       64, False, False, False, None)
+
+
+# -- the plan ----------------------------------------------------------------------------------
+@given(kv_heads=st.integers(1, 8), group=st.integers(1, 4), ranks=st.integers(1, 8),
+       units=st.integers(1, 64), granule=st.sampled_from([1, 32, 256]))
+def test_every_head_and_feature_has_its_ranks(kv_heads, group, ranks, units, granule):
+    c = config(kv_heads * group, kv_heads, units * granule)
+    share = max(1, ranks // kv_heads)
+    if kv_heads < ranks and (ranks % kv_heads or group % share):
+        with pytest.raises(ValueError, match="cannot be divided"):
+            plan_shards(c, ranks, granule)
+        return
+    shards = plan_shards(c, ranks, granule)
+    q = sorted(h for s in shards for h in s.q_heads)
+    assert q == list(range(c.num_heads))  # each query head on exactly one rank
+    for s in shards:  # a rank's query heads are those of its KV heads
+        assert {h // group for h in s.q_heads} <= set(s.kv_heads)
+    kv = sorted(h for s in shards for h in s.kv_heads)
+    assert kv == sorted(list(range(kv_heads)) * share)  # replicated only when too few
+    assert [r.start for r in (s.ffn for s in shards)][0] == 0
+    assert all(a.ffn.stop == b.ffn.start for a, b in zip(shards, shards[1:]))
+    assert shards[-1].ffn.stop == c.intermediate_size
+    assert all(s.ffn.start % granule == 0 for s in shards)
+    assert kv_heads_per_rank(c, ranks) == [len(s.kv_heads) for s in shards]
+
+
+def test_uneven_heads_are_evened_by_the_feed_forward():
+    """SmolLM2-135M: 3 KV heads over 2 ranks hold 1 and 2; the feed-forward evens them."""
+    first, second = plan_shards(SMOLLM2, 2, 32)
+    assert (len(first.kv_heads), len(second.kv_heads)) == (1, 2)
+    assert (len(first.q_heads), len(second.q_heads)) == (3, 6)
+    assert (len(first.ffn), len(second.ffn)) == (864, 672)
+
+    def elements(s):
+        return 2 * 576 * 64 * (len(s.q_heads) + len(s.kv_heads)) + 3 * 576 * len(s.ffn)
+
+    assert abs(elements(first) - elements(second)) <= 3 * 576 * 32  # within one unit
+
+
+def test_block_matrices_are_cut_along_whole_blocks():
+    rng = np.random.default_rng(0)
+    dense = rng.standard_normal((8, 128)).astype(np.float32)
+    q = QuantizedWeight.from_gguf(gguf.GGMLQuantizationType.Q8_0,
+                                  gguf.quants.quantize(dense, gguf.GGMLQuantizationType.Q8_0))
+    whole = gguf.quants.dequantize(q.blocks.numpy(), q.ggml_type)
+    cols = _slice_blocks(q, 1, range(32, 96))
+    np.testing.assert_array_equal(gguf.quants.dequantize(cols.blocks.numpy(), q.ggml_type),
+                                  whole[:, 32:96])
+    rows = _slice_blocks(q, 0, range(2, 5))
+    np.testing.assert_array_equal(gguf.quants.dequantize(rows.blocks.numpy(), q.ggml_type),
+                                  whole[2:5])
+    assert _slice_blocks(q, 1, range(16, 64)) is None  # through a block: the matrix runs dense
+
+
+# -- tokens: 2 ranks == 1 rank -----------------------------------------------------------------
+def tokens(outputs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+def check_all_reduces(llm) -> None:
+    """2 all-reduces a layer in every step that ran the model, of its tokens' float32 hidden
+    states."""
+    engine, tp = llm.engine, llm.engine.tensor_parallel
+    layers, hidden = engine.model_config.num_layers, engine.model_config.hidden_size
+    ran = [s for s in engine.steps if s.num_prefill_tokens + s.num_decode_tokens]
+    assert tp.num_all_reduces == 2 * layers * len(ran)
+    assert tp.all_reduce_bytes == 2 * layers * hidden * 4 * sum(
+        s.num_prefill_tokens + s.num_decode_tokens for s in ran)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("policy", ["continuous", "static"])
+def test_default_gguf_two_ranks_equal_one(default_gguf_path, policy):
+    prompts = text_prompts(load_gguf_tokenizer(default_gguf_path))
+    one = run_conveyor(None, prompts, policy)
+    two = run_conveyor(None, prompts, policy, tensor_parallel_size=2, check=check_all_reduces)
+    assert sum(o.metrics.num_preemptions for o in two) > 0, "the pool was meant to preempt"
+    assert tokens(two) == tokens(one)
+
+
+# (each policy on two of them: a 2-rank engine takes ~8 s to start here)
+@pytest.mark.parametrize("arch,policy", [("llama", "continuous"), ("llama", "static"),
+                                         ("qwen2", "continuous"), ("qwen3", "static")])
+def test_tiny_checkpoints_two_ranks_equal_one(tiny_checkpoint, arch, policy):
+    path = tiny_checkpoint(arch)
+    prompts = random_prompts(256)
+    one = run_conveyor(path, prompts, policy)
+    two = run_conveyor(path, prompts, policy, tensor_parallel_size=2)
+    assert sum(o.metrics.num_preemptions for o in two) > 0
+    assert tokens(two) == tokens(one)
+
+
+# -- the server on 2 ranks ---------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def server():
+    with running_server("--tensor-parallel-size", "2") as proc:
+        yield proc
+
+
+def test_the_server_says_it_runs_two_ranks(server):
+    version = httpx.get(f"{server.base_url}/version").json()
+    assert version["tensor_parallel_size"] == 2
+
+
+# -- torchrun ----------------------------------------------------------------------------------
+def test_torchrun_launches_the_same_command_on_every_rank():
+    """``torchrun --nproc-per-node 2 -m conveyor.cli generate -tp 2``: rank 0 prints the text,
+    rank 1 serves its steps; the text is 1 rank's."""
+    args = ["-m", "conveyor.cli", "generate", "--dtype", "float32", "--max-tokens", "16",
+            "--num-kv-blocks", "64", "--max-model-len", "256", "The capital of France is"]
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    one = subprocess.run([sys.executable, *args], capture_output=True, text=True, env=env,
+                         timeout=300)
+    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                          "--master-port", str(free_port()), *args, "-tp", "2"],
+                         capture_output=True, text=True, env=env, timeout=300)
+    assert one.returncode == 0 and two.returncode == 0, two.stderr[-3000:]
+    text = one.stdout.split("--- 1 requests")[0]
+    assert text.strip() and text in two.stdout
+
+
+def test_a_dead_worker_takes_the_server_down(server):
+    """(Last: it ends the module's server.)"""
+    worker = int(subprocess.run(["pgrep", "-P", str(server.proc.pid), "-f", "spawn_main"],
+                                capture_output=True, text=True).stdout.split()[0])
+    os.kill(worker, signal.SIGKILL)
+    assert server.proc.wait(30) == 1, server.log()[-3000:]  # down, not hung
+    assert "tensor-parallel worker conveyor-tp1 exited with -9" in server.log()
