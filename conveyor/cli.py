@@ -176,6 +176,7 @@ def main(argv: list[str] | None = None) -> None:
     srv.set_defaults(handler=_serve)
     add_bench_parser(sub)
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # (data parallel: the replicas')
     try:
         if args.handler in (_generate, _serve) and _torchrun_worker(args):
             return

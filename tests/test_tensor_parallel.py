@@ -23,6 +23,7 @@ from test_server import (  # noqa: F401
     test_completion_streamed_equals_non_streamed, test_disconnect_frees_pages,
     test_n2_and_several_prompts, test_repeated_prefix_is_served_from_the_cache)
 
+from conveyor import LLM, SamplingParams
 from conveyor.bench.launcher import free_port
 from conveyor.model.config import ModelConfig
 from conveyor.model.gguf_file import QuantizedWeight, load_gguf_tokenizer
@@ -140,20 +141,21 @@ def test_the_server_says_it_runs_two_ranks(server):
 
 
 # -- torchrun ----------------------------------------------------------------------------------
-def test_torchrun_launches_the_same_command_on_every_rank():
+def test_torchrun_launches_the_same_command_on_every_rank(tiny_checkpoint):
     """``torchrun --nproc-per-node 2 -m conveyor.cli generate -tp 2``: rank 0 prints the text,
-    rank 1 serves its steps; the text is 1 rank's."""
-    args = ["-m", "conveyor.cli", "generate", "--dtype", "float32", "--max-tokens", "16",
-            "--num-kv-blocks", "64", "--max-model-len", "256", "The capital of France is"]
-    env = dict(os.environ, HF_HUB_OFFLINE="1")
-    one = subprocess.run([sys.executable, *args], capture_output=True, text=True, env=env,
-                         timeout=300)
+    rank 1 serves its steps; the text is one engine's."""
+    path, prompt = tiny_checkpoint("llama"), "The capital of France is"
+    llm = LLM(model=path, dtype="float32", num_kv_blocks=64, max_model_len=256)
+    text = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=16),
+                        use_tqdm=False)[0].outputs[0].text
     two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                          "--master-port", str(free_port()), *args, "-tp", "2"],
-                         capture_output=True, text=True, env=env, timeout=300)
-    assert one.returncode == 0 and two.returncode == 0, two.stderr[-3000:]
-    text = one.stdout.split("--- 1 requests")[0]
-    assert text.strip() and text in two.stdout
+                          "--master-port", str(free_port()), "-m", "conveyor.cli", "generate",
+                          "--model", path, "--dtype", "float32", "--max-tokens", "16",
+                          "--num-kv-blocks", "64", "--max-model-len", "256", "-tp", "2",
+                          prompt], capture_output=True, text=True, timeout=300,
+                         env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    assert two.returncode == 0, two.stderr[-3000:]
+    assert f"--- {prompt!r}\n{text}\n[16 tokens" in two.stdout
 
 
 def test_a_dead_worker_takes_the_server_down(server):

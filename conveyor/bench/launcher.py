@@ -22,7 +22,8 @@ class ServerProcess:
     """A server in a child process on a free loopback port; a context manager that waits for
     /health. Subclasses say how to start it."""
 
-    def __init__(self, log_path: str, startup_timeout: float = 600.0) -> None:
+    def __init__(self, log_path: str | None, startup_timeout: float = 600.0) -> None:
+        """log_path None: the server writes to this process's stdout and stderr."""
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
@@ -36,20 +37,30 @@ class ServerProcess:
         return dict(os.environ, HF_HUB_OFFLINE="1")
 
     def __enter__(self) -> "ServerProcess":
-        self._log = open(self.log_path, "w")
-        cmd = self.command()
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT,
-                                     env=self.environment())
+        self.start()
+        self.wait_ready()
+        return self
+
+    def start(self) -> None:
+        self._log = None if self.log_path is None else open(self.log_path, "w")
+        self.proc = subprocess.Popen(self.command(), stdout=self._log, env=self.environment(),
+                                     stderr=None if self._log is None else subprocess.STDOUT)
+
+    def wait_ready(self) -> None:
+        """Until /health answers 200; raises if the server exits or the time runs out."""
+        cmd = self.proc.args
         deadline = time.monotonic() + self.startup_timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                self._log.close()
-                with open(self.log_path) as f:
-                    tail = f.read()[-2000:]
+                tail = "(its log is above)"
+                if self._log is not None:
+                    self._log.close()
+                    with open(self.log_path) as f:
+                        tail = f.read()[-2000:]
                 raise RuntimeError(f"{' '.join(cmd)} exited with {self.proc.returncode}:\n{tail}")
             try:
                 if httpx.get(self.base_url + "/health", timeout=2).status_code == 200:
-                    return self
+                    return
             except httpx.HTTPError:
                 pass
             time.sleep(0.5)
@@ -64,7 +75,8 @@ class ServerProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
-        self._log.close()
+        if self._log is not None:
+            self._log.close()
 
     def warm_up(self, model: str) -> None:
         """One short request, so first-call costs stay out of the measurement."""

@@ -74,6 +74,10 @@ def _check(args: argparse.Namespace) -> None:
 
 def serve(args: argparse.Namespace) -> None:
     _check(args)
+    if args.data_parallel_size > 1:
+        from conveyor.server.data_parallel import serve_data_parallel
+
+        return serve_data_parallel(args)
     logging.basicConfig(level=logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
