@@ -5,8 +5,9 @@ run: output tok/s at a concurrency (default 32) for
     TP=2   two ranks (gloo), cores / 2 threads each    conveyor serve -tp 2
     DP=2   two replicas, cores / 2 threads each        conveyor serve -dp 2
 
-and, for TP=2, the share of its steps rank 0 spends inside the all-reduces (from
-``/v1/engine/steps``: the transfer and the wait for the other rank). The configurations take
+and, for TP=2, the share of its steps rank 0 spends inside the all-reduces, and in every
+collective (with the plan's broadcast and the logits' gather), from ``/v1/engine/steps``: the
+transfer and the wait for the other rank. The configurations take
 turns for ``--rounds`` rounds (timings here are noisy: medians are quoted).
 
     .venv/bin/python benchmarks/parallel.py --rounds 2
@@ -15,14 +16,13 @@ turns for ``--rounds`` rounds (timings here are noisy: medians are quoted).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import tempfile
 
 from conveyor.bench.datasets import uniform_dataset
 from conveyor.bench.launcher import ConveyorServer
-from conveyor.bench.serve import add_serve_args, benchmark, served_model
+from conveyor.bench.serve import add_serve_args, benchmark, save_result, served_model
 from conveyor.model.loader import default_model_path, load_tokenizer
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -61,20 +61,23 @@ def main() -> None:
                 steps = server.steps(since)["steps"]
                 busy = sum(s["duration"] for s in steps)
                 reducing = sum(s["all_reduce_seconds"] for s in steps)
+                talking = sum(s["communication_seconds"] for s in steps)
                 rows.append({"config": name, "round": rnd + 1,
                              "output_throughput": r["output_throughput"],
                              "mean_tpot_ms": r["mean_tpot_ms"], "completed": r["completed"],
                              "failed": r["failed"], "steps": len(steps),
                              # (DP=2: replica 0's steps only, through the front)
                              "all_reduce_share": reducing / busy if busy else 0.0,
+                             "communication_share": talking / busy if busy else 0.0,
                              "mean_step_ms": 1e3 * busy / len(steps) if steps else 0.0})
 
     print(f"\n{'config':<8}{'round':>6}{'out tok/s':>11}{'mean TPOT':>11}{'steps':>7}"
-          f"{'step':>9}{'all-reduce':>12}{'done':>6}{'failed':>7}")
+          f"{'step':>9}{'all-reduce':>12}{'all comms':>11}{'done':>6}{'failed':>7}")
     for r in rows:
         print(f"{r['config']:<8}{r['round']:>6}{r['output_throughput']:>11.1f}"
               f"{r['mean_tpot_ms']:>9.1f}ms{r['steps']:>7}{r['mean_step_ms']:>7.1f}ms"
-              f"{r['all_reduce_share']:>12.1%}{r['completed']:>6}{r['failed']:>7}")
+              f"{r['all_reduce_share']:>12.1%}{r['communication_share']:>11.1%}"
+              f"{r['completed']:>6}{r['failed']:>7}")
     medians = {name: statistics.median(r["output_throughput"] for r in rows
                                        if r["config"] == name) for name in args.only}
     base = medians.get("TP=1")
@@ -82,11 +85,7 @@ def main() -> None:
         ratio = f", {tok / base:.2f}x TP=1" if base and name != "TP=1" else ""
         print(f"median {name}: {tok:.1f} output tok/s{ratio}")
     if args.save_result:
-        os.makedirs(args.result_dir, exist_ok=True)
-        path = os.path.join(args.result_dir, args.result_filename or "parallel.json")
-        with open(path, "w") as f:
-            json.dump(rows, f, indent=1)
-        print(f"saved {path}")
+        save_result(args, rows, "parallel.json")
 
 
 if __name__ == "__main__":

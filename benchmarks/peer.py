@@ -17,14 +17,13 @@ entry point fails in this package (the module's entry point works).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import tempfile
 
 from conveyor.bench.datasets import uniform_dataset
 from conveyor.bench.launcher import ConveyorServer, ServerProcess
-from conveyor.bench.serve import add_serve_args, benchmark, served_model
+from conveyor.bench.serve import add_serve_args, benchmark, save_result, served_model
 from conveyor.model.loader import default_model_path, load_tokenizer
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -126,11 +125,7 @@ def main() -> None:
                       f"{mine['output_throughput'] / peer['output_throughput']:.2f}x, mean TPOT "
                       f"conveyor/{other} = {mine['mean_tpot_ms'] / peer['mean_tpot_ms']:.2f}x")
     if args.save_result:
-        os.makedirs(args.result_dir, exist_ok=True)
-        path = os.path.join(args.result_dir, args.result_filename or "peer.json")
-        with open(path, "w") as f:
-            json.dump(rows, f, indent=1)
-        print(f"saved {path}")
+        save_result(args, rows, "peer.json")
 
 
 if __name__ == "__main__":

@@ -60,6 +60,8 @@ def test_every_head_and_feature_has_its_ranks(kv_heads, group, ranks, units, gra
     assert shards[-1].ffn.stop == c.intermediate_size
     assert all(s.ffn.start % granule == 0 for s in shards)
     assert kv_heads_per_rank(c, ranks) == [len(s.kv_heads) for s in shards]
+    vocab = [v for s in shards for v in s.vocab]  # the head's rows, in order, once each
+    assert vocab == list(range(c.vocab_size))
 
 
 def test_uneven_heads_are_evened_by_the_feed_forward():

@@ -159,11 +159,15 @@ def benchmark(args: argparse.Namespace, workload: list[BenchRequest] | None = No
         "itls": [r.itl for r in results], "errors": [r.error for r in results],
     }
     if args.save_result:
-        os.makedirs(args.result_dir, exist_ok=True)
-        name = args.result_filename or f"bench-{result['date']}.json"
-        path = os.path.join(args.result_dir, name)
-        with open(path, "w") as f:
-            json.dump(result, f, indent=1)
-        print(f"result saved to {path}")
+        save_result(args, result, f"bench-{result['date']}.json")
     return result
+
+
+def save_result(args: argparse.Namespace, result, default_name: str) -> None:
+    """As JSON under ``--result-dir``, named ``--result-filename`` or ``default_name``."""
+    os.makedirs(args.result_dir, exist_ok=True)
+    path = os.path.join(args.result_dir, args.result_filename or default_name)
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"result saved to {path}")
 

@@ -53,7 +53,10 @@ class StepRecord:
     kv_pages_used: int
     kv_pages_cached: int     # free pages still holding a reusable prefix
     num_preemptions: int     # in this step
-    all_reduce_seconds: float = 0.0  # tensor parallel: rank 0's time in the all-reduces
+    # tensor parallel: rank 0's time in the all-reduces, and in every collective (all-reduces,
+    # the plan's broadcast, the logits' gather)
+    all_reduce_seconds: float = 0.0
+    communication_seconds: float = 0.0
 
 
 @dataclass
@@ -307,10 +310,11 @@ class LLMEngine:
             logger.info("preempted %s (%d tokens) to free KV pages", victim.request_id,
                         victim.num_tokens)
         tp = self.tensor_parallel
-        reducing = 0.0 if tp is None else tp.all_reduce_seconds
+        before = (0.0, 0.0) if tp is None else (tp.all_reduce_seconds, tp.communication_seconds)
         results = self.runner.execute(sched)
         now = time.monotonic()
-        reducing = 0.0 if tp is None else tp.all_reduce_seconds - reducing
+        talk = (0.0, 0.0) if tp is None else (tp.all_reduce_seconds - before[0],
+                                              tp.communication_seconds - before[1])
         self.timeline.record_step(self.num_steps, start, now, sched.scheduled, sched.preempted)
         advanced = self.scheduler.update_from_output(
             sched, {rid: r.token_id for rid, r in results.items() if r.error is None}, now)
@@ -343,7 +347,7 @@ class LLMEngine:
         self.steps.append(StepRecord(
             self.num_steps, end, end - start, len(sched.scheduled), len(self.scheduler.running),
             len(self.scheduler.waiting), sched.num_prefill_tokens, sched.num_decode_tokens,
-            pool.num_used_blocks, pool.num_cached_free_blocks, len(sched.preempted), reducing))
+            pool.num_used_blocks, pool.num_cached_free_blocks, len(sched.preempted), *talk))
         self.num_steps += 1
         return outputs
 

@@ -53,6 +53,7 @@ class TensorParallel:
         self.num_all_reduces = 0
         self.all_reduce_bytes = 0
         self.all_reduce_seconds = 0.0
+        self.communication_seconds = 0.0  # every collective: all-reduces, logits, plans
         dist.init_process_group(_backend(device), init_method=init_method, rank=rank,
                                 world_size=world_size, timeout=TIMEOUT)
         self._closed = False
@@ -86,13 +87,29 @@ class TensorParallel:
         """Sum ``x`` over the ranks, in place (the row-parallel linears' partial sums)."""
         start = time.perf_counter()
         dist.all_reduce(x)
-        self.all_reduce_seconds += time.perf_counter() - start
+        spent = time.perf_counter() - start
+        self.all_reduce_seconds += spent
+        self.communication_seconds += spent
         self.num_all_reduces += 1
         self.all_reduce_bytes += x.numel() * x.element_size()
 
+    def gather(self, x: torch.Tensor, widths: list[int]) -> torch.Tensor | None:
+        """Every rank's columns of ``x`` (``widths[r]`` of them on rank r) side by side on rank
+        0; None on the others. (Padded to the widest: gather takes one shape.)"""
+        start = time.perf_counter()
+        wide = max(widths)
+        x = torch.nn.functional.pad(x, (0, wide - x.shape[1])).contiguous()
+        parts = [torch.empty_like(x) for _ in widths] if self.rank == 0 else None
+        dist.gather(x, parts, dst=0)
+        self.communication_seconds += time.perf_counter() - start
+        return None if parts is None else torch.cat(
+            [p[:, :w] for p, w in zip(parts, widths)], dim=1)
+
     def send(self, message: Any) -> None:
         """From rank 0 to every rank (a step's plan, the pool's size; None: stop)."""
+        start = time.perf_counter()
         dist.broadcast_object_list([message], src=0, device=self._object_device())
+        self.communication_seconds += time.perf_counter() - start
 
     def receive(self) -> Any:
         box = [None]
@@ -183,5 +200,5 @@ def run_worker(config: EngineConfig, rank: int | None = None, init_method: str |
     del loaded
     group.barrier()  # ready: rank 0 waits for every rank
     while (plan := group.receive()) is not None:
-        runner.forward(plan)
+        runner.follow(plan)
     group.close()

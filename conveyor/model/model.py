@@ -222,14 +222,17 @@ class Transformer(nn.Module):
     # float32 the blocks take every row count (0.23x F.linear's time at 1 row, 0.9x at 1024).
     HEAD_BLOCK_ROWS = 32
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, head_rows: int | None = None) -> None:
+        """head_rows: the output matrix's rows where not the vocabulary (a tensor-parallel
+        rank's share of it)."""
         super().__init__()
         self.config = config
         self.tok_embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(TransformerBlock(config) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.output = (None if config.tie_word_embeddings
-                       else Linear(config.hidden_size, config.vocab_size, bias=False))
+                       else Linear(config.hidden_size, head_rows or config.vocab_size,
+                                   bias=False))
         self.packed_head: torch.Tensor | None = None  # the tied head, when prepacked
         # The head in GGUF blocks, read by the CPU kernel at a few rows (see HEAD_BLOCK_ROWS).
         self.head_blocks: QuantizedWeight | None = None

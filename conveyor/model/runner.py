@@ -83,17 +83,21 @@ class ModelRunner:
         """quantized: the GGUF's block-quantized matrices, read by the CPU kernel at small M.
         tensor_parallel: this rank's group; the runner then holds the rank's shard."""
         self.tensor_parallel = tensor_parallel
+        head_rows = None
         if tensor_parallel is not None:
             quantized = quantized or {}
-            shard = plan_shards(config, tensor_parallel.world_size,
-                                ffn_granule(config, quantized))[tensor_parallel.rank]
+            shards = plan_shards(config, tensor_parallel.world_size,
+                                 ffn_granule(config, quantized))
+            self.vocab_shares = [len(s.vocab) for s in shards]
+            shard = shards[tensor_parallel.rank]
             config, weights, quantized = shard_model(config, weights, quantized, shard)
+            head_rows = len(shard.vocab)
         self.config = config
         self.device = device
         self.dtype = dtype
         self.block_size = block_size
         with torch.device(device):
-            self.model = Transformer(config).to(dtype)
+            self.model = Transformer(config, head_rows).to(dtype)
         self.model.load_weights(weights)
         self.model.eval()
         if can_prepack(device, dtype):
@@ -225,6 +229,21 @@ class ModelRunner:
         sin = self.sin[positions].unsqueeze(1)
         return self.model(ids, cos, sin, self.kv_caches, meta)
 
+    def logits(self, hidden: torch.Tensor, plan: StepPlan) -> torch.Tensor | None:
+        """The sampling rows' logits; tensor parallel: each rank's share of the vocabulary,
+        gathered whole on rank 0 (None on the others)."""
+        logits = self.model.compute_logits(hidden[self._tensor(plan.logits_rows)])
+        if self.tensor_parallel is None:
+            return logits
+        return self.tensor_parallel.gather(logits, self.vocab_shares)
+
+    @torch.inference_mode()
+    def follow(self, plan: StepPlan) -> None:
+        """A tensor-parallel rank above 0: its share of rank 0's step."""
+        hidden = self.forward(plan)
+        if plan.logits_rows:
+            self.logits(hidden, plan)
+
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> dict[str, SampleResult]:
         self.sampler.forget(out.finished_ids)
@@ -237,7 +256,7 @@ class ModelRunner:
         hidden = self.forward(plan)
         if not plan.logits_rows:
             return {}
-        logits = self.model.compute_logits(hidden[self._tensor(plan.logits_rows)])
+        logits = self.logits(hidden, plan)
         grammar = None
         if pending is not None:
             rows, bitmask, job = pending

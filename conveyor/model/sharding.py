@@ -5,7 +5,8 @@ q/k/v and gate/up are column-parallel (each rank computes its heads' and feature
 the attention output and down projection row-parallel (each rank's partial sum, then one
 all-reduce each). KV heads are divided among ranks whole, with their query heads; with fewer KV
 heads than ranks each is replicated on ``ranks // kv_heads`` ranks that split its query heads.
-Embedding, norms and head are replicated (only rank 0 computes logits). GGUF matrices are cut
+Embedding and norms are replicated; the head is vocabulary-parallel (each rank computes its
+rows' logits, gathered on rank 0, which samples). GGUF matrices are cut
 along whole blocks, so the block kernels run unchanged on each shard; a cut through a block
 leaves that matrix dense on every rank.
 """
@@ -29,7 +30,8 @@ logger = logging.getLogger("conveyor")
 class Shard:
     q_heads: range
     kv_heads: range
-    ffn: range  # feed-forward (intermediate) features
+    ffn: range    # feed-forward (intermediate) features
+    vocab: range  # the head's rows: this rank's share of the logits
 
 
 def _attention_shards(config: ModelConfig, ranks: int) -> list[tuple[range, range]]:
@@ -71,7 +73,9 @@ def plan_shards(config: ModelConfig, ranks: int, granule: int = 1) -> list[Shard
     for u in units:
         cuts.append(cuts[-1] + u * granule)
     cuts[-1] = config.intermediate_size
-    return [Shard(q, kv, range(a, b)) for (q, kv), a, b in zip(attention, cuts, cuts[1:])]
+    vocab = [config.vocab_size * r // ranks for r in range(ranks + 1)]
+    return [Shard(q, kv, range(a, b), range(v, w)) for (q, kv), a, b, v, w
+            in zip(attention, cuts, cuts[1:], vocab, vocab[1:])]
 
 
 def kv_heads_per_rank(config: ModelConfig, ranks: int) -> list[int]:
@@ -126,6 +130,14 @@ def shard_model(config: ModelConfig, weights: dict[str, torch.Tensor],
     if dense:
         logger.info("tensor parallel: %d matrices are cut through their blocks and run dense: "
                     "%s", len(dense), ", ".join(dense[:4]) + (" ..." if len(dense) > 4 else ""))
+    # The head, vocabulary-parallel: this rank's rows as an untied output matrix.
+    head = "tok_embeddings.weight" if config.tie_word_embeddings else "output.weight"
+    local_weights["output.weight"] = weights[head][shard.vocab.start:shard.vocab.stop].clone()
+    if head in quantized:
+        local_quantized["output.weight"] = _slice_blocks(quantized[head], 0, shard.vocab)
+    if config.tie_word_embeddings:
+        local_quantized.pop("tok_embeddings.weight", None)  # (the embedding reads it dense)
     local = dataclasses.replace(config, num_heads=len(shard.q_heads),
-                                num_kv_heads=len(shard.kv_heads), intermediate_size=len(shard.ffn))
+                                num_kv_heads=len(shard.kv_heads), intermediate_size=len(shard.ffn),
+                                tie_word_embeddings=False)
     return local, local_weights, local_quantized
