@@ -45,6 +45,7 @@ def main() -> None:
     args.num_prompts = 64 if args.num_prompts == 100 else args.num_prompts
     args.ignore_eos = args.disable_tqdm = True
     args.max_concurrency = args.concurrency
+    save, args.save_result = args.save_result, False  # (the rows, at the end: not each run)
     workload = uniform_dataset(load_tokenizer(gguf), args.num_prompts, args.seed,
                                tuple(args.input_range), tuple(args.output_range))
     rows = []
@@ -84,7 +85,7 @@ def main() -> None:
     for name, tok in medians.items():
         ratio = f", {tok / base:.2f}x TP=1" if base and name != "TP=1" else ""
         print(f"median {name}: {tok:.1f} output tok/s{ratio}")
-    if args.save_result:
+    if save:
         save_result(args, rows, "parallel.json")
 
 
