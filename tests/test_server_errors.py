@@ -38,6 +38,11 @@ class FakeEngine:
         self.aborted: list[str] = []
         self.built_on = threading.current_thread()
         self.stepped_on: set[threading.Thread] = set()
+        self.tensor_parallel = None  # one rank: no workers to watch
+        self.shut_down = False
+
+    def shutdown(self) -> None:
+        self.shut_down = True
 
     def add_request(self, request_id, prompt, params, arrival_time=None, priority=0) -> None:
         if -1 in prompt["prompt_token_ids"]:
@@ -85,6 +90,7 @@ def make_thread():
     yield make
     for thread in threads:
         thread.stop()
+        assert thread.engine.shut_down  # a stopped thread stops its engine's workers
 
 
 def test_failed_step_fails_its_requests_and_the_thread_carries_on(make_thread):

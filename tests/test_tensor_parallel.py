@@ -111,7 +111,7 @@ def check_all_reduces(llm) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("policy", ["continuous", "static"])
 def test_default_gguf_two_ranks_equal_one(default_gguf_path, policy):
-    prompts = text_prompts(load_gguf_tokenizer(default_gguf_path))
+    prompts = text_prompts(load_gguf_tokenizer(default_gguf_path))[::2]  # 6 of 12: still preempts
     one = run_conveyor(None, prompts, policy)
     two = run_conveyor(None, prompts, policy, tensor_parallel_size=2, check=check_all_reduces)
     assert sum(o.metrics.num_preemptions for o in two) > 0, "the pool was meant to preempt"
