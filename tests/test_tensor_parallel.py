@@ -108,14 +108,25 @@ def check_all_reduces(llm) -> None:
         s.num_prefill_tokens + s.num_decode_tokens for s in ran)
 
 
+@pytest.fixture(scope="module")
+def default_prompts(default_gguf_path) -> list[list[int]]:
+    return text_prompts(load_gguf_tokenizer(default_gguf_path))[::2]  # 6 of 12: still preempts
+
+
+@pytest.fixture(scope="module")
+def one_rank(default_prompts):
+    """1 rank's greedy tokens: the same under either policy (test_equivalence shows both equal
+    transformers'), so computed once."""
+    return tokens(run_conveyor(None, default_prompts, "continuous"))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("policy", ["continuous", "static"])
-def test_default_gguf_two_ranks_equal_one(default_gguf_path, policy):
-    prompts = text_prompts(load_gguf_tokenizer(default_gguf_path))[::2]  # 6 of 12: still preempts
-    one = run_conveyor(None, prompts, policy)
-    two = run_conveyor(None, prompts, policy, tensor_parallel_size=2, check=check_all_reduces)
+def test_default_gguf_two_ranks_equal_one(default_prompts, one_rank, policy):
+    two = run_conveyor(None, default_prompts, policy, tensor_parallel_size=2,
+                       check=check_all_reduces)
     assert sum(o.metrics.num_preemptions for o in two) > 0, "the pool was meant to preempt"
-    assert tokens(two) == tokens(one)
+    assert tokens(two) == one_rank
 
 
 # (each policy on two of them: a 2-rank engine takes ~8 s to start here)

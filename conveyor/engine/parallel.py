@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import threading
 import time
 from collections.abc import Callable
@@ -22,6 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from conveyor.bench.launcher import free_port
 from conveyor.config import EngineConfig
 
 logger = logging.getLogger("conveyor")
@@ -33,12 +33,6 @@ TIMEOUT = timedelta(seconds=300)
 
 def launched_by_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class TensorParallel:
@@ -70,7 +64,7 @@ class TensorParallel:
             _set_threads(config, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
             return cls(0, world, config.distributed_init_method or "env://",
                        _rank_device(device, 0))
-        init = config.distributed_init_method or f"tcp://127.0.0.1:{_free_port()}"
+        init = config.distributed_init_method or f"tcp://127.0.0.1:{free_port()}"
         threads = _set_threads(config, world)
         spawn = mp.get_context("spawn")
         workers = [spawn.Process(target=run_worker, args=(config, rank, init, threads),
