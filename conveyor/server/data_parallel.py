@@ -31,6 +31,7 @@ from conveyor.bench.launcher import ConveyorServer
 from conveyor.cli import engine_config
 from conveyor.engine.parallel import launched_by_torchrun
 from conveyor.model.loader import load_tokenizer
+from conveyor.server.errors import APIError
 from conveyor.server.router import Router
 
 logger = logging.getLogger("conveyor.server")
@@ -125,9 +126,7 @@ def build_front(replicas: list[ConveyorServer], router: Router, tokenizer,
         except httpx.HTTPError as e:
             if on_end is not None:
                 on_end()
-            return Response(json.dumps({"error": {
-                "message": f"replica {replica} is unreachable: {e}", "type": "server_overloaded",
-                "param": None, "code": None}}), 503, media_type="application/json")
+            return APIError(503, f"replica {replica} is unreachable: {e}").response()
 
         async def relay():
             first = True
@@ -167,9 +166,7 @@ def build_front(replicas: list[ConveyorServer], router: Router, tokenizer,
     async def health() -> Response:
         death = check_replicas()
         if death is not None:
-            return Response(json.dumps({"error": {"message": death, "type": "server_overloaded",
-                                                  "param": None, "code": None}}), 503,
-                            media_type="application/json")
+            return APIError(503, death).response()
         for r in replicas:
             resp = await client.get(f"{r.base_url}/health")
             if resp.status_code != 200:
