@@ -64,6 +64,21 @@ class ServerProcess:
         return parse_metrics(text)
 
 
+def child_pids(pid: int, cmdline_part: str = "") -> list[int]:
+    """The process's children whose command line contains ``cmdline_part`` (read from /proc,
+    so no procps is needed)."""
+    children = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/children") as f:
+            children += [int(c) for c in f.read().split()]
+    found = []
+    for child in children:
+        with open(f"/proc/{child}/cmdline", "rb") as f:
+            if cmdline_part.encode() in f.read():
+                found.append(child)
+    return found
+
+
 @contextmanager
 def running_server(*args: str, **kw) -> Iterator[ServerProcess]:
     """A ready server for the duration of the block (a module fixture's body)."""

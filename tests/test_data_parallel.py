@@ -13,7 +13,7 @@ import httpx
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from server_process import running_server
+from server_process import child_pids, running_server
 from test_equivalence import random_prompts, run_conveyor
 from tiny_models import make_tiny_checkpoint
 
@@ -132,7 +132,7 @@ def shared_prefix_goes_where_its_pages_are(srv, model: str, routed: dict[str, fl
 
 
 def a_dead_replica_ends_the_front(srv) -> None:
-    replica = next(int(pid) for pid in os.popen(f"pgrep -P {srv.proc.pid}").read().split())
+    replica = child_pids(srv.proc.pid, "conveyor.cli")[0]
     os.kill(replica, signal.SIGKILL)
     assert srv.proc.wait(30) == 1, srv.log()[-3000:]
     assert "data-parallel replica" in srv.log() and "exited with -9" in srv.log()

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from server_process import running_server
+from server_process import child_pids, running_server
 from test_equivalence import random_prompts, run_conveyor, text_prompts
 # The server tests that run again here against a 2-rank server (the `server` fixture below).
 from test_server import (  # noqa: F401
@@ -173,8 +173,7 @@ def test_torchrun_launches_the_same_command_on_every_rank(tiny_checkpoint):
 
 def test_a_dead_worker_takes_the_server_down(server):
     """(Last: it ends the module's server.)"""
-    worker = int(subprocess.run(["pgrep", "-P", str(server.proc.pid), "-f", "spawn_main"],
-                                capture_output=True, text=True).stdout.split()[0])
+    (worker,) = child_pids(server.proc.pid, "spawn_main")
     os.kill(worker, signal.SIGKILL)
     assert server.proc.wait(30) == 1, server.log()[-3000:]  # down, not hung
     assert "tensor-parallel worker conveyor-tp1 exited with -9" in server.log()
