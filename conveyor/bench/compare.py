@@ -17,17 +17,33 @@ from conveyor.bench.launcher import ConveyorServer
 from conveyor.bench.serve import add_workload_args, benchmark, build_workload, served_model
 
 
-def add_server_args(p: argparse.ArgumentParser) -> None:
-    """What every started server shares."""
+DEFAULT_KV_MEMORY = "1GiB"  # for each server started: the same for every run, whatever is free
+
+
+def add_batching_args(p: argparse.ArgumentParser) -> None:
+    """The model and the engine's batching and KV settings every run shares (``conveyor serve``'s
+    flags)."""
     p.add_argument("--model", default=None, help="model path for the servers (default model)")
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--kv-cache-memory", default="1GiB", help="the same KV memory for every run")
+    p.add_argument("--kv-cache-memory", default=None,
+                   help=f"the same KV memory for every run (default {DEFAULT_KV_MEMORY}; "
+                        f"simulated on an accelerator: what its memory leaves)")
+    p.add_argument("--num-kv-blocks", type=int, default=None, help="KV pages, instead")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV page")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--kv-layout", default="paged", choices=["paged", "contiguous"])
+    p.add_argument("--enable-prefix-caching", default=True, action=argparse.BooleanOptionalAction)
+    p.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
+    p.add_argument("--result-dir", default="bench-results")
+
+
+def add_server_args(p: argparse.ArgumentParser) -> None:
+    """What every started server shares."""
+    add_batching_args(p)
+    p.add_argument("--dtype", default="auto")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--server-arg", action="append", default=[],
-                   help="an extra flag for every server, e.g. --server-arg=--block-size=32")
-    p.add_argument("--result-dir", default="bench-results")
+                   help="an extra flag for every server, e.g. --server-arg=--quantization=q8_0")
 
 
 def add_compare_args(p: argparse.ArgumentParser) -> None:
@@ -40,9 +56,16 @@ def add_compare_args(p: argparse.ArgumentParser) -> None:
 
 def server_flags(args: argparse.Namespace, policy: str, max_num_seqs: int,
                  max_num_batched_tokens: int | None = None) -> list[str]:
-    flags = ["--dtype", args.dtype, "--kv-cache-memory", str(args.kv_cache_memory),
-             "--policy", policy, "--max-num-seqs", str(max_num_seqs),
-             "--max-num-batched-tokens", str(max_num_batched_tokens or args.max_num_batched_tokens)]
+    flags = ["--dtype", args.dtype, "--policy", policy, "--max-num-seqs", str(max_num_seqs),
+             "--max-num-batched-tokens", str(max_num_batched_tokens or args.max_num_batched_tokens),
+             "--block-size", str(args.block_size), "--kv-layout", args.kv_layout,
+             "--scheduling-policy", args.scheduling_policy]
+    if args.num_kv_blocks:
+        flags += ["--num-kv-blocks", str(args.num_kv_blocks)]
+    else:
+        flags += ["--kv-cache-memory", str(args.kv_cache_memory or DEFAULT_KV_MEMORY)]
+    if not args.enable_prefix_caching:
+        flags.append("--no-enable-prefix-caching")
     if args.model:
         flags += ["--model", args.model]
     if args.max_model_len:
@@ -92,9 +115,25 @@ def format_table(runs: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def compare(args: argparse.Namespace) -> dict:
-    from conveyor.bench.plots import plot_latency_cdfs, plot_occupancy, plot_throughput
+def policy_ratios(runs: list[dict], output_lens: list[int], max_num_seqs: list[int],
+                  verb: str) -> tuple[dict, dict]:
+    """Per max_num_seqs: the workload's ideal static/continuous step ratio and, where both
+    policies ran, the continuous/static throughput ratio (printed as ``verb``)."""
+    ideal, ratio = {}, {}
+    for seqs in max_num_seqs:
+        by_policy = {r["label"].split("/")[0]: r for r in runs if r["max_num_seqs"] == seqs}
+        ideal[seqs] = ideal_ratio(output_lens, seqs)
+        line = f"max_num_seqs {seqs}: ideal static/continuous step ratio {ideal[seqs]:.2f}"
+        if {"static", "continuous"} <= by_policy.keys():
+            ratio[seqs] = (by_policy["continuous"]["result"]["output_throughput"]
+                           / by_policy["static"]["result"]["output_throughput"])
+            line += (f"; {verb} continuous/static {ratio[seqs]:.2f} "
+                     f"({ratio[seqs] / ideal[seqs]:.0%} of ideal)")
+        print(line)
+    return ideal, ratio
 
+
+def compare(args: argparse.Namespace) -> dict:
     if "95" not in args.metric_percentiles.split(","):
         args.metric_percentiles += ",95"  # the table shows p95
     os.makedirs(args.result_dir, exist_ok=True)
@@ -108,24 +147,22 @@ def compare(args: argparse.Namespace) -> dict:
             runs.append(run)
 
     print("\n" + format_table(runs))
-    output_lens = [r.output_len for r in workload]
-    summary = {"runs": runs, "ideal_ratio": {}}
-    for seqs in args.max_num_seqs:
-        by_policy = {r["label"].split("/")[0]: r for r in runs if r["max_num_seqs"] == seqs}
-        ideal = ideal_ratio(output_lens, seqs)
-        summary["ideal_ratio"][seqs] = ideal
-        line = f"max_num_seqs {seqs}: ideal static/continuous step ratio {ideal:.2f}"
-        if {"static", "continuous"} <= by_policy.keys():
-            measured = (by_policy["continuous"]["result"]["output_throughput"]
-                        / by_policy["static"]["result"]["output_throughput"])
-            summary.setdefault("measured_ratio", {})[seqs] = measured
-            line += f"; measured continuous/static {measured:.2f} ({measured / ideal:.0%} of ideal)"
-        print(line)
-    plots = [plot_throughput(runs, args.result_dir), plot_latency_cdfs(runs, args.result_dir),
-             plot_occupancy(runs, args.result_dir)]
-    path = os.path.join(args.result_dir, "compare.json")
+    ideal, measured = policy_ratios(runs, [r.output_len for r in workload], args.max_num_seqs,
+                                    "measured")
+    summary = {"runs": runs, "ideal_ratio": ideal, "measured_ratio": measured}
+    return write_summary(summary, args.result_dir, "compare.json")
+
+
+def write_summary(summary: dict, result_dir: str, name: str) -> dict:
+    """The runs' plots and the summary as JSON, into ``result_dir``."""
+    from conveyor.bench.plots import plot_latency_cdfs, plot_occupancy, plot_throughput
+
+    runs = summary["runs"]
+    plots = [plot_throughput(runs, result_dir), plot_latency_cdfs(runs, result_dir),
+             plot_occupancy(runs, result_dir)]
+    path = os.path.join(result_dir, name)
     with open(path, "w") as f:
-        json.dump(summary, f, indent=1)
+        json.dump(summary, f)  # no indent: the C encoder, for many thousand steps
     print("wrote " + ", ".join([path, *plots]))
     summary["files"] = [path, *plots]
     return summary

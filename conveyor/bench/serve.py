@@ -56,10 +56,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--result-filename", default=None)
 
 
-def build_workload(args: argparse.Namespace) -> list[BenchRequest]:
+def build_workload(args: argparse.Namespace, tokenizer=None) -> list[BenchRequest]:
     from conveyor.model.loader import load_tokenizer
 
-    tokenizer = load_tokenizer(args.tokenizer)
+    tokenizer = tokenizer or load_tokenizer(args.tokenizer)
     if args.dataset_name == "conversation":
         return conversation_dataset(tokenizer, args.num_prompts, args.seed)
     if args.dataset_name == "jsonl":
@@ -142,14 +142,24 @@ def benchmark(args: argparse.Namespace, workload: list[BenchRequest] | None = No
     results, duration = asyncio.run(run_load(args.base_url, args.endpoint, model, workload, gaps,
                                              args.max_concurrency, args.ignore_eos,
                                              not args.disable_tqdm))
+    result = report(args, model, results, duration, selected, percentiles, slos)
+    if args.save_result:
+        save_result(args, result, f"bench-{result['date']}.json")
+    return result
+
+
+def report(args: argparse.Namespace, model: str, results: list[RequestResult], duration: float,
+           selected: tuple[str, ...], percentiles: tuple[float, ...], slos: dict[str, float],
+           base_url: str | None = None) -> dict:
+    """Print vLLM's report of a run and return its result dict (vLLM's JSON keys)."""
     metrics = compute_metrics(results, duration, selected, percentiles, slos)
     print(format_report(metrics, selected, percentiles))
     errors = sorted({r.error for r in results if not r.success})
     for e in errors[:5]:
         print(f"  failure: {e}")
-    result = {
-        "date": time.strftime("%Y%m%d-%H%M%S"), "base_url": args.base_url,
-        "endpoint": args.endpoint, "model": model, "num_prompts": len(workload),
+    return {
+        "date": time.strftime("%Y%m%d-%H%M%S"), "base_url": base_url or args.base_url,
+        "endpoint": args.endpoint, "model": model, "num_prompts": len(results),
         "dataset_name": args.dataset_name, "request_rate": args.request_rate,
         "burstiness": args.burstiness, "max_concurrency": args.max_concurrency,
         "ignore_eos": args.ignore_eos, "goodput_slos_ms": slos, **metrics.summary,
@@ -158,9 +168,6 @@ def benchmark(args: argparse.Namespace, workload: list[BenchRequest] | None = No
         "ttfts": [r.ttft for r in results], "e2els": [r.latency for r in results],
         "itls": [r.itl for r in results], "errors": [r.error for r in results],
     }
-    if args.save_result:
-        save_result(args, result, f"bench-{result['date']}.json")
-    return result
 
 
 def save_result(args: argparse.Namespace, result, default_name: str) -> None:

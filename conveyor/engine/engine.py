@@ -24,7 +24,7 @@ from conveyor.engine.kv_cache_manager import make_kv_cache_manager
 from conveyor.engine.parallel import TensorParallel
 from conveyor.engine.request import Request, RequestStatus
 from conveyor.engine.scheduler import Scheduler, SchedulerConfig
-from conveyor.engine.timeline import BatchTimeline
+from conveyor.engine.timeline import BatchTimeline, StepRecord
 from conveyor.model.loader import load_model
 from conveyor.model.runner import ModelRunner, kv_bytes_per_block
 from conveyor.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
@@ -36,27 +36,6 @@ STEP_HISTORY = 20_000  # per-step records kept for /v1/engine/steps (a few MB at
 
 Prompt = str | dict | list[int]
 CHAT_ROLES = ("system", "user", "assistant", "tool")
-
-
-@dataclass
-class StepRecord:
-    """What one iteration did: the raw material of occupancy and queue plots."""
-
-    step: int
-    time: float              # time.monotonic() at the end of the step
-    duration: float          # seconds the step took
-    num_scheduled: int       # requests in this step's batch
-    num_running: int         # requests holding a seat at the end of the step
-    num_waiting: int
-    num_prefill_tokens: int
-    num_decode_tokens: int
-    kv_pages_used: int
-    kv_pages_cached: int     # free pages still holding a reusable prefix
-    num_preemptions: int     # in this step
-    # tensor parallel: rank 0's time in the all-reduces, and in every collective (all-reduces,
-    # the plan's broadcast, the logits' gather)
-    all_reduce_seconds: float = 0.0
-    communication_seconds: float = 0.0
 
 
 @dataclass
@@ -347,7 +326,8 @@ class LLMEngine:
         self.steps.append(StepRecord(
             self.num_steps, end, end - start, len(sched.scheduled), len(self.scheduler.running),
             len(self.scheduler.waiting), sched.num_prefill_tokens, sched.num_decode_tokens,
-            pool.num_used_blocks, pool.num_cached_free_blocks, len(sched.preempted), *talk))
+            sched.num_context_tokens, sched.num_attention_pairs, pool.num_used_blocks,
+            pool.num_cached_free_blocks, len(sched.preempted), *talk))
         self.num_steps += 1
         return outputs
 

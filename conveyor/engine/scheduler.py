@@ -48,6 +48,12 @@ def is_decode(request: Request, num_new_tokens: int) -> bool:
     return num_new_tokens == 1 and request.num_computed_tokens >= request.num_prompt_tokens
 
 
+def samples(request: Request, num_new_tokens: int) -> bool:
+    """The step samples a token for this request: it brings its computed tokens level with its
+    known tokens (a prompt chunk short of the end yields no token)."""
+    return request.num_computed_tokens + num_new_tokens == request.num_tokens
+
+
 @dataclass
 class SchedulerOutput:
     """One step's plan: ``(request, num_new_tokens)`` in batch order."""
@@ -57,6 +63,10 @@ class SchedulerOutput:
     finished_ids: list[str] = field(default_factory=list)  # since the previous step
 
     num_decode_tokens: int = 0  # fresh decodes; the rest is prompt or recompute ("prefill")
+    # the attention's shape, what a step's cost grows with beyond its token count: KV positions
+    # read (each request's context up to its last new token) and query-key pairs (causal)
+    num_context_tokens: int = 0
+    num_attention_pairs: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -211,6 +221,9 @@ class Scheduler:
             out.scheduled.append((request, n))
             budget -= n
         out.num_decode_tokens = sum(1 for r, n in out.scheduled if is_decode(r, n))
+        out.num_context_tokens = sum(r.num_computed_tokens + n for r, n in out.scheduled)
+        out.num_attention_pairs = sum(n * r.num_computed_tokens + n * (n + 1) // 2
+                                      for r, n in out.scheduled)
         return out
 
     def _pick_victim(self) -> Request:

@@ -24,6 +24,29 @@ EVENT_HISTORY = 16384  # arrivals, preemptions, finishes kept
 PREFILL, DECODE = 0, 1
 
 
+@dataclass
+class StepRecord:
+    """What one iteration did: the raw material of occupancy and queue plots."""
+
+    step: int
+    time: float              # time.monotonic() at the end of the step
+    duration: float          # seconds the step took
+    num_scheduled: int       # requests in this step's batch
+    num_running: int         # requests holding a seat at the end of the step
+    num_waiting: int
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    num_context_tokens: int   # KV positions the batch's attention read
+    num_attention_pairs: int  # query-key pairs it computed
+    kv_pages_used: int
+    kv_pages_cached: int     # free pages still holding a reusable prefix
+    num_preemptions: int     # in this step
+    # tensor parallel: rank 0's time in the all-reduces, and in every collective (all-reduces,
+    # the plan's broadcast, the logits' gather)
+    all_reduce_seconds: float = 0.0
+    communication_seconds: float = 0.0
+
+
 @dataclass(frozen=True)
 class StepSeating:
     """One step's batch, flattened as ``(seq, slot, num_tokens, phase)`` per scheduled sample."""

@@ -106,6 +106,27 @@ def load_tokenizer(path: str | None = None) -> transformers.PreTrainedTokenizerB
     raise FileNotFoundError(f"no tokenizer at {path} (expected a .gguf file or a model folder)")
 
 
+def load_config(path: str | None = None) -> ModelConfig:
+    """Only the hyper-parameters of a model (GGUF file or HF folder; None: the default model)."""
+    path = default_model_path() if path is None else os.fspath(path)
+    if path.endswith(".gguf") and os.path.isfile(path):
+        try:
+            return gguf_config(read_gguf(path))
+        except ValueError as e:
+            raise ValueError(f"{path}: {e}") from e
+    if os.path.isdir(path):
+        return ModelConfig.from_hf_config(_read_hf_config(path))
+    raise FileNotFoundError(f"no model at {path} (expected a .gguf file or a model folder)")
+
+
+def _read_hf_config(folder: str) -> dict:
+    config_path = os.path.join(folder, "config.json")
+    if not os.path.isfile(config_path):
+        raise FileNotFoundError(f"no config.json in {folder}")
+    with open(config_path) as f:
+        return json.load(f)
+
+
 def _load_gguf(path: str) -> LoadedModel:
     """Metadata, tensor table and shapes are all checked before any tensor data is read (see
     ``check_gguf_tensors``); every problem is one ValueError naming the file."""
@@ -131,11 +152,7 @@ def _load_gguf(path: str) -> LoadedModel:
 
 
 def _load_hf_folder(folder: str) -> LoadedModel:
-    config_path = os.path.join(folder, "config.json")
-    if not os.path.isfile(config_path):
-        raise FileNotFoundError(f"no config.json in {folder}")
-    with open(config_path) as f:
-        raw_config = json.load(f)
+    raw_config = _read_hf_config(folder)
     config = ModelConfig.from_hf_config(raw_config)
 
     weights = _hf_weights(_read_safetensors(folder), config)

@@ -11,7 +11,7 @@ import torch
 from conveyor.engine.grammar import BatchBitmask, bitmask_width
 from conveyor.engine.parallel import TensorParallel
 from conveyor.engine.request import Request
-from conveyor.engine.scheduler import SchedulerOutput
+from conveyor.engine.scheduler import SchedulerOutput, samples
 from conveyor.kernels.library import cpu_kernels, describe
 from conveyor.model import huge_pages
 from conveyor.model.attention import AttentionMetadata, DecodeGroup, PrefillChunk
@@ -176,7 +176,7 @@ class ModelRunner:
         sampling, end = [], 0
         for r, n in decodes + chunks:
             end += n
-            if r.num_computed_tokens + n == r.num_tokens:
+            if samples(r, n):
                 plan.logits_rows.append(end - 1)
                 sampling.append(r)
         return plan, sampling

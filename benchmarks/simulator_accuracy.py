@@ -1,0 +1,109 @@
+"""The simulator against the real thing: predicted vs measured ``bench serve`` runs, side by side.
+
+Fits this machine's step cost over the grid (``conveyor bench profile``, or ``--cost-model``),
+then for each ``--max-num-seqs`` and policy starts a server (``bench compare``'s: same KV memory,
+a warm-up request), replays the seeded workload against it, and replays the same workload through
+``bench simulate``'s simulator. Prints predicted and measured throughput and p50/p95 TTFT and
+E2EL with the error of each, and the continuous/static ratios; saves every figure as JSON.
+
+    .venv/bin/python benchmarks/simulator_accuracy.py --num-prompts 40 --request-rate 1 \\
+        --result-dir docs/results/simulator
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from conveyor.bench.compare import run_config, server_flags  # noqa: E402
+from conveyor.bench.cost_model import FittedCost  # noqa: E402
+from conveyor.bench.serve import build_workload  # noqa: E402
+from conveyor.bench.simulate import add_simulate_args, simulate_run, workload_requests  # noqa
+from conveyor.model.loader import load_tokenizer  # noqa: E402
+
+FIGURES = (("output_throughput", "out tok/s"), ("median_ttft_ms", "p50 TTFT"),
+           ("p95_ttft_ms", "p95 TTFT"), ("median_e2el_ms", "p50 E2EL"),
+           ("p95_e2el_ms", "p95 E2EL"))
+
+
+def bench_args(extra: list[str]) -> argparse.Namespace:
+    """`bench simulate`'s flags with its defaults, and the servers' own (`bench compare`'s)."""
+    p = argparse.ArgumentParser()
+    add_simulate_args(p)
+    args = p.parse_args(extra)
+    args.dtype, args.threads, args.server_arg = "auto", None, []
+    return args
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--cost-model", default=None, help="a fitted step cost (default: profile now)")
+    p.add_argument("--num-prompts", type=int, default=40)
+    p.add_argument("--request-rate", type=float, default=1.0)
+    p.add_argument("--max-num-seqs", type=int, nargs="+", default=[8, 16, 32])
+    p.add_argument("--policies", nargs="+", default=["static", "continuous"])
+    p.add_argument("--kv-cache-memory", default="1GiB")
+    p.add_argument("--result-dir", default="simulator-accuracy")
+    opts = p.parse_args()
+    os.makedirs(opts.result_dir, exist_ok=True)
+    cost_path = opts.cost_model or os.path.join(opts.result_dir, "step-cost.json")
+    if opts.cost_model is None:
+        subprocess.run([sys.executable, "-m", "conveyor.cli", "bench", "profile", "--output",
+                        cost_path], check=True)
+    cost = FittedCost.load(cost_path)
+    args = bench_args(["--dataset-name", "conversation", "--num-prompts", str(opts.num_prompts),
+                       "--request-rate", str(opts.request_rate), "--ignore-eos",
+                       "--kv-cache-memory", opts.kv_cache_memory, "--disable-tqdm",
+                       "--result-dir", opts.result_dir, "--cost-model", cost_path])
+    tokenizer = load_tokenizer(None)
+    workload = build_workload(args, tokenizer)
+    requests = workload_requests(args, tokenizer)
+    rows = []
+    for seqs in opts.max_num_seqs:
+        for policy in opts.policies:
+            label = f"{policy}/{seqs}"
+            predicted = simulate_run(args, requests, cost, policy, seqs,
+                                     args.max_num_batched_tokens, label)["result"]
+            measured = run_config(args, workload, label, server_flags(args, policy, seqs))
+            rows.append({"label": label, "policy": policy, "max_num_seqs": seqs,
+                         "predicted": {k: predicted[k] for k, _ in FIGURES},
+                         "measured": {k: measured["result"][k] for k, _ in FIGURES},
+                         "measured_failed": measured["result"]["failed"]})
+            print_table(rows)
+    ratios = {}
+    for seqs in opts.max_num_seqs:
+        by = {r["policy"]: r for r in rows if r["max_num_seqs"] == seqs}
+        if {"static", "continuous"} <= by.keys():
+            ratios[seqs] = {kind: by["continuous"][kind]["output_throughput"]
+                            / by["static"][kind]["output_throughput"]
+                            for kind in ("predicted", "measured")}
+            r = ratios[seqs]
+            print(f"max_num_seqs {seqs}: continuous/static measured {r['measured']:.2f}, "
+                  f"simulated {r['predicted']:.2f} ({r['measured'] / r['predicted']:.0%} of the "
+                  f"simulator's)")
+    with open(os.path.join(opts.result_dir, "accuracy.json"), "w") as f:
+        json.dump({"cost_model": cost.describe(), "source": cost.source, "rows": rows,
+                   "ratios": ratios, "num_prompts": opts.num_prompts,
+                   "request_rate": opts.request_rate}, f, indent=1)
+
+
+def print_table(rows: list[dict]) -> None:
+    head = f"{'config':<16}" + "".join(f"{name:>24}" for _, name in FIGURES)
+    print("\n" + head + "\n" + f"{'':<16}" + "".join(f"{'pred / meas / err':>24}"
+                                                     for _ in FIGURES))
+    for r in rows:
+        cells = []
+        for key, _ in FIGURES:
+            pred, meas = r["predicted"][key], r["measured"][key]
+            scale = 1 if key == "output_throughput" else 1e-3  # ms -> s
+            cells.append(f"{pred * scale:>8.1f} {meas * scale:>7.1f} {pred / meas - 1:>+6.0%}")
+        print(f"{r['label']:<16}" + "".join(f"{c:>24}" for c in cells))
+
+
+if __name__ == "__main__":
+    main()
