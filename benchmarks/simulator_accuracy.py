@@ -1,12 +1,16 @@
 """The simulator against the real thing: predicted vs measured ``bench serve`` runs, side by side.
 
-Fits this machine's step cost over the grid (``conveyor bench profile``, or ``--cost-model``),
-then for each ``--max-num-seqs`` and policy starts a server (``bench compare``'s: same KV memory,
-a warm-up request), replays the seeded workload against it, and replays the same workload through
-``bench simulate``'s simulator. Prints predicted and measured throughput and p50/p95 TTFT and
-E2EL with the error of each, and the continuous/static ratios; saves every figure as JSON.
+For each ``--max-num-seqs`` and policy: start a server (``bench compare``'s: same KV memory, a
+warm-up request), replay the seeded conversation workload against it, and replay the same
+workload through ``bench simulate``'s simulator on a fitted step cost. ``--fit live`` (default)
+fits each server's own steps of a separate calibration workload (random lengths, another seed)
+served just before the measured one, as ``bench profile --base-url`` does: this VM's speed drifts
+by 10-15% within minutes, so a fit taken once, long before, carries that drift into every
+prediction. ``--fit grid`` profiles the grid once, at the start (``bench profile``), or takes
+``--cost-model``. Prints predicted and measured throughput and p50/p95 TTFT and E2EL with the
+error of each, and the continuous/static ratios; saves every figure as JSON.
 
-    .venv/bin/python benchmarks/simulator_accuracy.py --num-prompts 40 --request-rate 1 \\
+    .venv/bin/python benchmarks/simulator_accuracy.py --num-prompts 40 --request-rate 2 \\
         --result-dir docs/results/simulator
 """
 
@@ -15,14 +19,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from conveyor.bench.compare import run_config, server_flags  # noqa: E402
-from conveyor.bench.cost_model import FittedCost  # noqa: E402
-from conveyor.bench.serve import build_workload  # noqa: E402
+from conveyor.bench.cost_model import FittedCost, live_samples  # noqa: E402
+from conveyor.bench.profile import live_server_samples, machine  # noqa: E402
+from conveyor.bench.serve import benchmark, build_workload  # noqa: E402
 from conveyor.bench.simulate import add_simulate_args, simulate_run, workload_requests  # noqa
 from conveyor.model.loader import load_tokenizer  # noqa: E402
 
@@ -42,7 +48,11 @@ def bench_args(extra: list[str]) -> argparse.Namespace:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--cost-model", default=None, help="a fitted step cost (default: profile now)")
+    p.add_argument("--fit", default="live", choices=["live", "grid"])
+    p.add_argument("--cost-model", default=None,
+                   help="with --fit grid: a fitted step cost (default: profile now)")
+    p.add_argument("--calibration-prompts", type=int, default=2,
+                   help="--fit live: calibration requests per seat (max-num-seqs)")
     p.add_argument("--num-prompts", type=int, default=40)
     p.add_argument("--request-rate", type=float, default=1.0)
     p.add_argument("--max-num-seqs", type=int, nargs="+", default=[8, 16, 32])
@@ -51,26 +61,50 @@ def main() -> None:
     p.add_argument("--result-dir", default="simulator-accuracy")
     opts = p.parse_args()
     os.makedirs(opts.result_dir, exist_ok=True)
-    cost_path = opts.cost_model or os.path.join(opts.result_dir, "step-cost.json")
-    if opts.cost_model is None:
-        subprocess.run([sys.executable, "-m", "conveyor.cli", "bench", "profile", "--output",
-                        cost_path], check=True)
-    cost = FittedCost.load(cost_path)
+    grid_cost = None
+    if opts.fit == "grid":
+        cost_path = opts.cost_model or os.path.join(opts.result_dir, "step-cost.json")
+        if opts.cost_model is None:
+            subprocess.run([sys.executable, "-m", "conveyor.cli", "bench", "profile",
+                            "--output", cost_path], check=True)
+        grid_cost = FittedCost.load(cost_path)
     args = bench_args(["--dataset-name", "conversation", "--num-prompts", str(opts.num_prompts),
                        "--request-rate", str(opts.request_rate), "--ignore-eos",
                        "--kv-cache-memory", opts.kv_cache_memory, "--disable-tqdm",
-                       "--result-dir", opts.result_dir, "--cost-model", cost_path])
+                       "--result-dir", opts.result_dir])
     tokenizer = load_tokenizer(None)
     workload = build_workload(args, tokenizer)
     requests = workload_requests(args, tokenizer)
     rows = []
     for seqs in opts.max_num_seqs:
+        calibration_args = bench_args([
+            "--dataset-name", "random", "--random-input-len", "400", "--random-output-len", "96",
+            "--random-range-ratio", "0.9", "--num-prompts", str(opts.calibration_prompts * seqs),
+            "--seed", "1", "--ignore-eos", "--disable-tqdm"])
+        calibration = build_workload(calibration_args, tokenizer)
         for policy in opts.policies:
             label = f"{policy}/{seqs}"
+            fits = []
+
+            def calibrate(server) -> None:
+                """Serve the calibration workload, then fit every step the server has taken."""
+                calibration_args.base_url, calibration_args.model = server.base_url, None
+                benchmark(calibration_args, calibration)
+                samples, source, per_token = live_server_samples(server.base_url)
+                fits.append(FittedCost.fit(samples, source, per_token))
+                print(f"calibrated on {len(samples)} steps: {fits[-1].describe()}")
+
+            measured = run_config(args, workload, label, server_flags(args, policy, seqs),
+                                  before=calibrate if grid_cost is None else None)
+            cost = grid_cost or fits[0]
             predicted = simulate_run(args, requests, cost, policy, seqs,
                                      args.max_num_batched_tokens, label)["result"]
-            measured = run_config(args, workload, label, server_flags(args, policy, seqs))
+            # how the measured run's own steps compare with the cost model (its error alone)
+            steps = live_samples(measured["steps"])
+            step_ratio = statistics.median(t / cost.step_seconds(shape) for shape, t in steps)
             rows.append({"label": label, "policy": policy, "max_num_seqs": seqs,
+                         "cost_model": cost.describe(), "fit_samples": cost.num_samples,
+                         "measured_step_over_model": step_ratio,
                          "predicted": {k: predicted[k] for k, _ in FIGURES},
                          "measured": {k: measured["result"][k] for k, _ in FIGURES},
                          "measured_failed": measured["result"]["failed"]})
@@ -86,23 +120,23 @@ def main() -> None:
             print(f"max_num_seqs {seqs}: continuous/static measured {r['measured']:.2f}, "
                   f"simulated {r['predicted']:.2f} ({r['measured'] / r['predicted']:.0%} of the "
                   f"simulator's)")
-    with open(os.path.join(opts.result_dir, "accuracy.json"), "w") as f:
-        json.dump({"cost_model": cost.describe(), "source": cost.source, "rows": rows,
+    with open(os.path.join(opts.result_dir, f"accuracy-{opts.fit}.json"), "w") as f:
+        json.dump({"fit": opts.fit, "machine": machine(), "rows": rows,
                    "ratios": ratios, "num_prompts": opts.num_prompts,
                    "request_rate": opts.request_rate}, f, indent=1)
 
 
 def print_table(rows: list[dict]) -> None:
-    head = f"{'config':<16}" + "".join(f"{name:>24}" for _, name in FIGURES)
-    print("\n" + head + "\n" + f"{'':<16}" + "".join(f"{'pred / meas / err':>24}"
-                                                     for _ in FIGURES))
+    head = f"{'config':<16}{'steps':>8}" + "".join(f"{name:>24}" for _, name in FIGURES)
+    print("\n" + head + "\n" + f"{'':<16}{'/model':>8}"
+          + "".join(f"{'pred / meas / err':>24}" for _ in FIGURES))
     for r in rows:
-        cells = []
+        cells = [f"{r['measured_step_over_model']:>8.2f}"]
         for key, _ in FIGURES:
             pred, meas = r["predicted"][key], r["measured"][key]
             scale = 1 if key == "output_throughput" else 1e-3  # ms -> s
             cells.append(f"{pred * scale:>8.1f} {meas * scale:>7.1f} {pred / meas - 1:>+6.0%}")
-        print(f"{r['label']:<16}" + "".join(f"{c:>24}" for c in cells))
+        print(f"{r['label']:<16}{cells[0]}" + "".join(f"{c:>24}" for c in cells[1:]))
 
 
 if __name__ == "__main__":

@@ -77,13 +77,17 @@ def server_flags(args: argparse.Namespace, policy: str, max_num_seqs: int,
     return flags
 
 
-def run_config(args: argparse.Namespace, workload, label: str, flags: list[str]) -> dict:
-    """One server, one warm-up, one measured run; the result plus the steps it took."""
+def run_config(args: argparse.Namespace, workload, label: str, flags: list[str],
+               before=None) -> dict:
+    """One server, one warm-up, one measured run; the result plus the steps it took.
+    ``before(server)``, if given, runs between the warm-up and the measured run."""
     log = os.path.join(args.result_dir, f"server-{label.replace('/', '-')}.log")
     print(f"\n### {label}: conveyor serve {' '.join(flags)}", flush=True)
     with ConveyorServer(flags, log) as server:
         model = served_model(server.base_url)
         server.warm_up(model)
+        if before is not None:
+            before(server)
         first_step = server.steps()["next"]
         run_args = copy.copy(args)
         run_args.base_url, run_args.model, run_args.save_result = server.base_url, model, False

@@ -76,8 +76,6 @@ class FittedCost:
     median_relative_error: float = 0.0  # of the fit on its own samples
     kv_bytes_per_token: int | None = None  # of the profiled model at its dtype
 
-    name = "fitted"
-
     def step_seconds(self, shape: StepShape) -> float:
         return sum(self.coefficients[t] * f for t, f in zip(TERMS, shape.features()))
 

@@ -98,8 +98,6 @@ class RooflineCost:
     request_overhead: float = 10e-6  # seconds, per request in the step
     weight_bits: int = 16
 
-    name = "roofline"
-
     def __post_init__(self) -> None:
         for name in ("compute_efficiency", "bandwidth_efficiency"):
             if not 0 < getattr(self, name) <= 1:

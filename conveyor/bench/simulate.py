@@ -82,20 +82,18 @@ def step_cost(args: argparse.Namespace) -> FittedCost | RooflineCost:
 def kv_pool(args: argparse.Namespace, cost) -> tuple[int, int]:
     """Pages in the pool and max_model_len, as the engine would size them."""
     from conveyor.config import parse_memory
+    from conveyor.model.loader import load_config
 
-    if isinstance(cost, RooflineCost):
-        config, per_token = cost.model, cost.kv_bytes_per_token
-        memory = (parse_memory(args.kv_cache_memory) if args.kv_cache_memory
-                  else cost.kv_cache_bytes(args.gpu_memory_utilization))
-    else:
-        from conveyor.model.loader import load_config
-
-        config, per_token = load_config(args.model or cost.source.get("model")), \
-            cost.kv_bytes_per_token
-        memory = parse_memory(args.kv_cache_memory or DEFAULT_KV_MEMORY)
     if args.num_kv_blocks and args.kv_cache_memory:
         raise ValueError("give --num-kv-blocks or --kv-cache-memory, not both")
-    num_blocks = args.num_kv_blocks or memory // (per_token * args.block_size)
+    if isinstance(cost, RooflineCost):
+        config = cost.model
+        memory = (parse_memory(args.kv_cache_memory) if args.kv_cache_memory
+                  else cost.kv_cache_bytes(args.gpu_memory_utilization))
+    else:  # the profiled model's
+        config = load_config(args.model or cost.source.get("model"))
+        memory = parse_memory(args.kv_cache_memory or DEFAULT_KV_MEMORY)
+    num_blocks = args.num_kv_blocks or memory // (cost.kv_bytes_per_token * args.block_size)
     max_len = args.max_model_len or min(config.max_position_embeddings,
                                         num_blocks * args.block_size)
     return num_blocks, max_len

@@ -1,5 +1,7 @@
 """``conveyor bench tune --slo ttft_p95=2s``: sweep the batch limits under the same traffic and
-recommend the setting with the highest throughput that meets the latency target."""
+recommend the setting with the highest throughput that meets the latency target; with
+``--simulate``, each setting runs in ``bench simulate``'s simulator instead of on a server (this
+machine's fitted step cost, or ``--accelerator``'s roofline): seconds instead of minutes each."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import re
 
 from conveyor.bench.compare import add_server_args, run_config, server_flags
 from conveyor.bench.serve import add_workload_args, build_workload
+from conveyor.bench.simulate import add_cost_args, simulate_run, step_cost, workload_requests
 
 _SLO = re.compile(r"(ttft|tpot|e2el|itl)_p(\d+(?:\.\d+)?)=(\d+(?:\.\d+)?)(ms|s)")
 
@@ -34,6 +37,9 @@ def add_tune_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, nargs="+", default=[4, 8, 16, 32, 64])
     p.add_argument("--max-num-batched-tokens-list", type=int, nargs="+", default=None,
                    help="also sweep the token budget over these values")
+    p.add_argument("--simulate", action="store_true",
+                   help="run each setting in the simulator (give --cost-model or --accelerator)")
+    add_cost_args(p)
 
 
 def recommend(points: list[dict], target_ms: float, name: str) -> tuple[dict, str]:
@@ -58,7 +64,21 @@ def tune(args: argparse.Namespace) -> dict:
     if pct not in [f"{float(p):g}" for p in args.metric_percentiles.split(",")]:
         args.metric_percentiles += f",{pct}"
     os.makedirs(args.result_dir, exist_ok=True)
-    workload = build_workload(args)
+    if args.simulate:
+        from conveyor.model.loader import load_tokenizer
+
+        cost = step_cost(args)
+        requests = workload_requests(args, load_tokenizer(args.tokenizer or args.model))
+
+        def run_setting(label: str, seqs: int, budget: int) -> dict:
+            return simulate_run(args, requests, cost, args.policy, seqs, budget, label)
+    else:
+        if args.cost_model or args.accelerator:
+            raise ValueError("--cost-model and --accelerator are for --simulate")
+        workload = build_workload(args)
+
+        def run_setting(label: str, seqs: int, budget: int) -> dict:
+            return run_config(args, workload, label, server_flags(args, args.policy, seqs, budget))
     budgets = args.max_num_batched_tokens_list or [args.max_num_batched_tokens]
     points = []
     for seqs in args.max_num_seqs:
@@ -66,7 +86,7 @@ def tune(args: argparse.Namespace) -> dict:
             if budget < seqs:
                 continue
             label = f"seqs={seqs}" + (f",tokens={budget}" if len(budgets) > 1 else "")
-            run = run_config(args, workload, label, server_flags(args, args.policy, seqs, budget))
+            run = run_setting(label, seqs, budget)
             points.append({"label": label, "max_num_seqs": seqs, "max_num_batched_tokens": budget,
                            "throughput": run["result"]["output_throughput"],
                            "latency_ms": run["result"][f"p{pct}_{metric}_ms"],
@@ -79,7 +99,8 @@ def tune(args: argparse.Namespace) -> dict:
     print(message)
     plot = plot_tune(points, name, target_ms, args.result_dir)
     path = os.path.join(args.result_dir, "tune.json")
-    summary = {"slo": args.slo, "points": points, "recommended": best, "message": message}
+    summary = {"slo": args.slo, "points": points, "recommended": best, "message": message,
+               "simulated": cost.describe() if args.simulate else None}
     with open(path, "w") as f:
         json.dump(summary, f, indent=1)
     print(f"wrote {path}, {plot}")
