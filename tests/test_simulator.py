@@ -226,13 +226,20 @@ def test_simulate_replays_a_trace_with_shared_prefixes(tmp_path):
     assert results[0]["mean_ttft_ms"] < results[1]["mean_ttft_ms"]
 
 
-def test_simulate_refuses_without_a_cost_model(capsys):
+def test_simulate_refuses_without_a_cost_model_or_with_a_bad_trace(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         main(["bench", "simulate", "--num-prompts", "2"])
     assert e.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["conveyor: error: give --cost-model FILE (from `conveyor bench profile`) or "
                    "--accelerator NAME, one of them"]
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text('{"timestamp": 0, "input_length": 10, "output_length": 5}\n\n'
+                     '{"timestamp": 5, "input_length": 10}\n')
+    with pytest.raises(SystemExit):
+        main(["bench", "simulate", "--trace", str(trace), "--accelerator", "L4"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"conveyor: error: {trace}:3: expected")
 
 
 def test_profile_then_simulate_and_tune_on_the_fit(tiny_checkpoint, tmp_path, capsys):

@@ -95,24 +95,30 @@ def uniform_dataset(tokenizer, num: int, seed: int, input_range: tuple[int, int]
     return out
 
 
-def jsonl_dataset(tokenizer, path: str, num: int, default_output_len: int) -> list[BenchRequest]:
-    """One JSON object per line: {"prompt": str, "output_len": int (optional)}."""
-    out = []
+def read_jsonl(path: str, expected: str, parse):
+    """``parse(row)`` of each non-blank line's JSON object; a line it cannot parse is one
+    ValueError naming the file, the line and ``expected``."""
     with open(path) as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
                 continue
             try:
-                row = json.loads(line)
-                prompt = row["prompt"]
-                n_out = int(row.get("output_len", row.get("max_tokens", default_output_len)))
+                parsed = parse(json.loads(line))
             except (ValueError, KeyError, TypeError) as e:
-                raise ValueError(f"{path}:{lineno}: expected {{\"prompt\": ..., "
-                                 f"\"output_len\": ...}} ({e})") from None
-            out.append(BenchRequest(prompt, len(tokenizer.encode(prompt, add_special_tokens=False)),
-                                    n_out))
-            if len(out) == num:
-                break
+                raise ValueError(f"{path}:{lineno}: expected {expected} ({e})") from None
+            yield parsed
+
+
+def jsonl_dataset(tokenizer, path: str, num: int, default_output_len: int) -> list[BenchRequest]:
+    """One JSON object per line: {"prompt": str, "output_len": int (optional)}."""
+    out = []
+    for prompt, n_out in read_jsonl(path, '{"prompt": ..., "output_len": ...}',
+                                    lambda row: (row["prompt"], int(row.get(
+                                        "output_len", row.get("max_tokens", default_output_len))))):
+        out.append(BenchRequest(prompt, len(tokenizer.encode(prompt, add_special_tokens=False)),
+                                n_out))
+        if len(out) == num:
+            break
     if not out:
         raise ValueError(f"{path}: no prompts")
     return out

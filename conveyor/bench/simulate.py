@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import random
 import time
@@ -18,6 +17,7 @@ import time
 from conveyor.bench.compare import (DEFAULT_KV_MEMORY, add_batching_args, format_table,
                                     policy_ratios, write_summary)
 from conveyor.bench.cost_model import FittedCost
+from conveyor.bench.datasets import read_jsonl
 from conveyor.bench.metrics import parse_goodput
 from conveyor.bench.roofline import RooflineCost, accelerator, model_config
 from conveyor.bench.serve import (add_workload_args, arrival_gaps, build_workload,
@@ -123,18 +123,10 @@ def workload_requests(args: argparse.Namespace, tokenizer) -> list[SimulatedRequ
 def trace_requests(path: str, vocab_size: int, seed: int) -> list[SimulatedRequest]:
     """A Mooncake-style trace: blocks with the same hash id have the same tokens, so they share
     prefix pages; the rest of each prompt is its own."""
-    rows = []
-    with open(path) as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-                rows.append((float(row["timestamp"]) / 1e3, int(row["input_length"]),
-                             int(row["output_length"]), [int(h) for h in row.get("hash_ids", [])]))
-            except (ValueError, KeyError, TypeError) as e:
-                raise ValueError(f"{path}:{lineno}: expected {{\"timestamp\": ms, "
-                                 f"\"input_length\": n, \"output_length\": n}} ({e})") from None
+    rows = list(read_jsonl(
+        path, '{"timestamp": ms, "input_length": n, "output_length": n}',
+        lambda row: (float(row["timestamp"]) / 1e3, int(row["input_length"]),
+                     int(row["output_length"]), [int(h) for h in row.get("hash_ids", [])])))
     if not rows:
         raise ValueError(f"{path}: no requests")
     start = min(r[0] for r in rows)
