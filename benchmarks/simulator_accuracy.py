@@ -29,8 +29,9 @@ from conveyor.bench.compare import run_config, server_flags  # noqa: E402
 from conveyor.bench.cost_model import FittedCost, live_samples  # noqa: E402
 from conveyor.bench.profile import live_server_samples, machine  # noqa: E402
 from conveyor.bench.serve import benchmark, build_workload  # noqa: E402
-from conveyor.bench.simulate import add_simulate_args, simulate_run, workload_requests  # noqa
-from conveyor.model.loader import load_tokenizer  # noqa: E402
+from conveyor.bench.simulate import (add_simulate_args, kv_pool, simulate_run,  # noqa: E402
+                                    workload_requests)
+from conveyor.model.loader import load_config, load_tokenizer  # noqa: E402
 
 FIGURES = (("output_throughput", "out tok/s"), ("median_ttft_ms", "p50 TTFT"),
            ("p95_ttft_ms", "p95 TTFT"), ("median_e2el_ms", "p50 E2EL"),
@@ -75,6 +76,7 @@ def main() -> None:
     tokenizer = load_tokenizer(None)
     workload = build_workload(args, tokenizer)
     requests = workload_requests(args, tokenizer)
+    config = load_config(None)
     rows = []
     for seqs in opts.max_num_seqs:
         calibration_args = bench_args([
@@ -97,8 +99,8 @@ def main() -> None:
             measured = run_config(args, workload, label, server_flags(args, policy, seqs),
                                   before=calibrate if grid_cost is None else None)
             cost = grid_cost or fits[0]
-            predicted = simulate_run(args, requests, cost, policy, seqs,
-                                     args.max_num_batched_tokens, label)["result"]
+            predicted = simulate_run(args, requests, cost, kv_pool(args, cost, config), policy,
+                                     seqs, args.max_num_batched_tokens, label)["result"]
             # how the measured run's own steps compare with the cost model (its error alone)
             steps = live_samples(measured["steps"])
             step_ratio = statistics.median(t / cost.step_seconds(shape) for shape, t in steps)

@@ -237,7 +237,8 @@ def test_simulate_refuses_without_a_cost_model_or_with_a_bad_trace(tmp_path, cap
     trace.write_text('{"timestamp": 0, "input_length": 10, "output_length": 5}\n\n'
                      '{"timestamp": 5, "input_length": 10}\n')
     with pytest.raises(SystemExit):
-        main(["bench", "simulate", "--trace", str(trace), "--accelerator", "L4"])
+        main(["bench", "simulate", "--trace", str(trace), "--accelerator", "L4",
+              "--model-config", "llama-3-8b"])
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith(f"conveyor: error: {trace}:3: expected")
 

@@ -13,8 +13,10 @@ request in it (its sampling, detokenization and stream). All flags: measure your
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
+from functools import cached_property
 
 from conveyor.bench.cost_model import StepShape
 from conveyor.model.config import ModelConfig
@@ -79,13 +81,11 @@ def model_config(name_or_path: str | None) -> ModelConfig:
 
 
 def layer_weights(c: ModelConfig) -> int:
-    """Parameters of one layer's linears."""
-    q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-    return c.hidden_size * (2 * q + 2 * kv) + 3 * c.hidden_size * c.intermediate_size
+    """Parameters of one layer's linears (from the loader's table of the model's tensors)."""
+    from conveyor.model.loader import expected_shapes
 
-
-def kv_bytes_per_token(c: ModelConfig, element_bytes: int = 2) -> int:
-    return 2 * c.num_layers * c.num_kv_heads * c.head_dim * element_bytes
+    return sum(math.prod(shape) for name, shape in expected_shapes(c).items()
+               if name.startswith("layers.0.") and len(shape) == 2)
 
 
 @dataclass(frozen=True)
@@ -107,17 +107,27 @@ class RooflineCost:
         if self.weight_bits not in (4, 8, 16, 32):
             raise ValueError("--weight-bits must be 4, 8, 16 or 32")
 
+    @cached_property
+    def _linear_weights(self) -> int:
+        """Parameters of all layers' linears (what every token multiplies)."""
+        return self.model.num_layers * layer_weights(self.model)
+
     @property
     def weight_bytes(self) -> int:
         """All weights held (an untied embedding besides the head)."""
         c = self.model
-        matrices = c.num_layers * layer_weights(c) + c.vocab_size * c.hidden_size * (
+        matrices = self._linear_weights + c.vocab_size * c.hidden_size * (
             1 if c.tie_word_embeddings else 2)
         return matrices * self.weight_bits // 8
 
-    @property
+    @cached_property
     def kv_bytes_per_token(self) -> int:
-        return kv_bytes_per_token(self.model)
+        """bfloat16 K and V of every layer."""
+        import torch
+
+        from conveyor.model.runner import kv_bytes_per_block
+
+        return kv_bytes_per_block(self.model, 1, torch.bfloat16)
 
     def kv_cache_bytes(self, gpu_memory_utilization: float = 0.9) -> int:
         """What is left for the KV cache once the weights are in (vLLM's budget: a share of the
@@ -135,10 +145,10 @@ class RooflineCost:
     def step_seconds(self, shape: StepShape) -> float:
         c = self.model
         head = c.vocab_size * c.hidden_size
-        flops = (2 * c.num_layers * layer_weights(c) * shape.num_tokens
+        flops = (2 * self._linear_weights * shape.num_tokens
                  + 2 * head * shape.num_seqs
                  + 4 * c.num_layers * c.num_heads * c.head_dim * shape.num_attention_pairs)
-        read = ((c.num_layers * layer_weights(c) + head) * self.weight_bits // 8
+        read = ((self._linear_weights + head) * self.weight_bits // 8
                 + self.kv_bytes_per_token * (shape.num_context_tokens + shape.num_tokens))
         return (max(flops / (self.device.bf16_flops * self.compute_efficiency),
                     read / (self.device.memory_bandwidth * self.bandwidth_efficiency))

@@ -24,6 +24,7 @@ from conveyor.bench.serve import (add_workload_args, arrival_gaps, build_workloa
                                   parse_selection, report, save_result)
 from conveyor.bench.simulator import EngineSettings, SimulatedRequest, Simulator
 from conveyor.engine.scheduler import SchedulerConfig
+from conveyor.model.config import ModelConfig
 
 TRACE_BLOCK_TOKENS = 512  # tokens each of a Mooncake trace's hash_ids stands for
 
@@ -79,20 +80,26 @@ def step_cost(args: argparse.Namespace) -> FittedCost | RooflineCost:
                         args.request_overhead_ms / 1e3, args.weight_bits)
 
 
-def kv_pool(args: argparse.Namespace, cost) -> tuple[int, int]:
+def simulated_model(args: argparse.Namespace, cost) -> ModelConfig:
+    """The roofline's model, or the one the fitted cost was profiled on (read once: a GGUF's
+    metadata takes seconds to parse)."""
+    if isinstance(cost, RooflineCost):
+        return cost.model
+    from conveyor.model.loader import load_config
+
+    return load_config(args.model or cost.source.get("model"))
+
+
+def kv_pool(args: argparse.Namespace, cost, config: ModelConfig) -> tuple[int, int]:
     """Pages in the pool and max_model_len, as the engine would size them."""
     from conveyor.config import parse_memory
-    from conveyor.model.loader import load_config
 
     if args.num_kv_blocks and args.kv_cache_memory:
         raise ValueError("give --num-kv-blocks or --kv-cache-memory, not both")
-    if isinstance(cost, RooflineCost):
-        config = cost.model
-        memory = (parse_memory(args.kv_cache_memory) if args.kv_cache_memory
-                  else cost.kv_cache_bytes(args.gpu_memory_utilization))
-    else:  # the profiled model's
-        config = load_config(args.model or cost.source.get("model"))
+    if args.kv_cache_memory or not isinstance(cost, RooflineCost):
         memory = parse_memory(args.kv_cache_memory or DEFAULT_KV_MEMORY)
+    else:
+        memory = cost.kv_cache_bytes(args.gpu_memory_utilization)
     num_blocks = args.num_kv_blocks or memory // (cost.kv_bytes_per_token * args.block_size)
     max_len = args.max_model_len or min(config.max_position_embeddings,
                                         num_blocks * args.block_size)
@@ -145,11 +152,12 @@ def trace_requests(path: str, vocab_size: int, seed: int) -> list[SimulatedReque
 
 
 def simulate_run(args: argparse.Namespace, requests: list[SimulatedRequest], cost,
-                 policy: str, max_num_seqs: int, max_num_batched_tokens: int,
-                 label: str) -> dict:
-    """One configuration: its report printed, and the run as ``bench compare`` records one."""
+                 pool: tuple[int, int], policy: str, max_num_seqs: int,
+                 max_num_batched_tokens: int, label: str) -> dict:
+    """One configuration (``pool``: ``kv_pool``'s pages and max_model_len): its report printed,
+    and the run as ``bench compare`` records one."""
     selected, percentiles = parse_selection(args)
-    num_blocks, max_len = kv_pool(args, cost)
+    num_blocks, max_len = pool
     settings = EngineSettings(
         SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_len, policy,
                         args.scheduling_policy),
@@ -171,10 +179,10 @@ def simulate(args: argparse.Namespace) -> dict:
     from conveyor.model.loader import load_tokenizer
 
     cost = step_cost(args)
+    config = simulated_model(args, cost)
+    pool = kv_pool(args, cost, config)
     if args.trace:
-        vocab = (cost.model if isinstance(cost, RooflineCost) else model_config(args.model)
-                 ).vocab_size
-        requests = trace_requests(args.trace, vocab, args.seed)
+        requests = trace_requests(args.trace, config.vocab_size, args.seed)
         args.dataset_name = "trace"
     else:
         requests = workload_requests(args, load_tokenizer(args.tokenizer or args.model))
@@ -186,7 +194,7 @@ def simulate(args: argparse.Namespace) -> dict:
     for seqs in args.max_num_seqs:
         for policy in args.policies:
             label = f"{policy}/{seqs}"
-            runs.append(simulate_run(args, requests, cost, policy, seqs,
+            runs.append(simulate_run(args, requests, cost, pool, policy, seqs,
                                      args.max_num_batched_tokens, label))
             if args.save_result:
                 save_result(args, runs[-1]["result"], f"simulate-{policy}-{seqs}.json")

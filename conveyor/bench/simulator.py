@@ -52,7 +52,10 @@ class Simulation:
     results: list[RequestResult]  # in the order the requests were given
     steps: list[StepRecord] = field(default_factory=list)
     duration: float = 0.0         # virtual seconds from the first arrival to the last token
-    num_preemptions: int = 0
+
+    @property
+    def num_preemptions(self) -> int:
+        return sum(s.num_preemptions for s in self.steps)
 
 
 class Simulator:
@@ -131,7 +134,6 @@ class Simulator:
                 len(scheduler.waiting), shape.num_prefill_tokens, shape.num_decode_tokens,
                 shape.num_context_tokens, shape.num_attention_pairs, pool.num_used_blocks,
                 pool.num_cached_free_blocks, len(plan.preempted)))
-            sim.num_preemptions += len(plan.preempted)
             if on_step is not None:
                 on_step(plan, finished)
         first = min((r.arrival for r in requests), default=0.0)

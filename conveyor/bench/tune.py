@@ -12,7 +12,8 @@ import re
 
 from conveyor.bench.compare import add_server_args, run_config, server_flags
 from conveyor.bench.serve import add_workload_args, build_workload
-from conveyor.bench.simulate import add_cost_args, simulate_run, step_cost, workload_requests
+from conveyor.bench.simulate import (add_cost_args, kv_pool, simulate_run, simulated_model,
+                                    step_cost, workload_requests)
 
 _SLO = re.compile(r"(ttft|tpot|e2el|itl)_p(\d+(?:\.\d+)?)=(\d+(?:\.\d+)?)(ms|s)")
 
@@ -68,10 +69,11 @@ def tune(args: argparse.Namespace) -> dict:
         from conveyor.model.loader import load_tokenizer
 
         cost = step_cost(args)
+        pool = kv_pool(args, cost, simulated_model(args, cost))
         requests = workload_requests(args, load_tokenizer(args.tokenizer or args.model))
 
         def run_setting(label: str, seqs: int, budget: int) -> dict:
-            return simulate_run(args, requests, cost, args.policy, seqs, budget, label)
+            return simulate_run(args, requests, cost, pool, args.policy, seqs, budget, label)
     else:
         if args.cost_model or args.accelerator:
             raise ValueError("--cost-model and --accelerator are for --simulate")
