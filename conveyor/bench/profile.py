@@ -2,9 +2,10 @@
 
 Either over a grid, in this process (``--batch-sizes`` requests at each of ``--context-lens``:
 their prompt steps, ``--decode-steps`` decode steps, then one step each with a prompt of each of
-``--prefill-chunks`` tokens joining the decodes), or from a live server's ``/v1/engine/steps``
-(``--base-url``: whatever traffic it has served, with the server's own time between steps).
-Every step taken is a sample; the fit's form is ``cost_model.FittedCost``'s.
+``--prefill-chunks`` tokens joining the decodes; greedy, as ``bench serve`` asks), or from a live
+server's ``/v1/engine/steps`` (``--base-url``: whatever traffic it has served, with the server's
+own time between steps, which the grid's engine alone does not pay). Every step taken is a
+sample; the fit's form is ``cost_model.FittedCost``'s.
 """
 
 from __future__ import annotations
@@ -70,7 +71,8 @@ def grid_samples(args: argparse.Namespace) -> tuple[list, dict, int]:
     def add(prompt_len: int, max_tokens: int) -> str:
         rid = f"p{next(ids)}"
         engine.add_request(rid, [rng.randrange(vocab) for _ in range(prompt_len)],
-                           SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+                           SamplingParams(max_tokens=max_tokens, ignore_eos=True,
+                                          temperature=0.0))  # greedy, as bench serve asks
         return rid
 
     def run(rids: list[str]) -> None:
