@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -10,7 +11,10 @@ import sys
 import matplotlib.image
 import pytest
 
+from conveyor.bench.compare import add_compare_args, run_config, server_flags
+from conveyor.bench.serve import build_workload
 from conveyor.bench.tune import parse_slo, recommend
+from conveyor.model.loader import load_tokenizer
 
 
 def bench(*args: str) -> subprocess.CompletedProcess:
@@ -51,6 +55,21 @@ def test_compare_prints_the_table_and_writes_json_and_plots(tmp_path):
         image = matplotlib.image.imread(path)
         assert image.shape[0] > 200 and image.shape[1] > 400
         assert image.std() > 0.01  # not a blank canvas
+
+
+def test_each_measured_run_starts_from_a_cold_prefix_cache(tiny_checkpoint, tmp_path):
+    folder = tiny_checkpoint("llama")
+    p = argparse.ArgumentParser()
+    add_compare_args(p)
+    args = p.parse_args([*WORKLOAD, "--model", folder, "--result-dir", str(tmp_path)])
+    workload = build_workload(args, load_tokenizer(folder))
+    run = run_config(args, workload, "continuous/4", server_flags(args, "continuous", 4),
+                     repeats=2)
+    runs = [run, *run["reruns"]]
+    assert [r["result"]["completed"] for r in runs] == [12, 12]
+    # the same prompts a second time are computed again: the first run left nothing cached
+    prefill = [sum(s["num_prefill_tokens"] for s in r["steps"]) for r in runs]
+    assert prefill[0] == prefill[1] >= sum(run["result"]["input_lens"])
 
 
 def test_slo_parsing_and_recommendation():

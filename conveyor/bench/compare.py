@@ -78,22 +78,26 @@ def server_flags(args: argparse.Namespace, policy: str, max_num_seqs: int,
 
 
 def run_config(args: argparse.Namespace, workload, label: str, flags: list[str],
-               before=None) -> dict:
-    """One server, one warm-up, one measured run; the result plus the steps it took.
-    ``before(server)``, if given, runs between the warm-up and the measured run."""
+               before=None, repeats: int = 1) -> dict:
+    """One server, one warm-up, then ``repeats`` measured runs of the workload, each from a cold
+    prefix cache; the first run's result plus the steps it took, and the later runs as
+    ``reruns``. ``before(server)``, if given, runs between the warm-up and the first run."""
     log = os.path.join(args.result_dir, f"server-{label.replace('/', '-')}.log")
     print(f"\n### {label}: conveyor serve {' '.join(flags)}", flush=True)
+    runs = []
     with ConveyorServer(flags, log) as server:
         model = served_model(server.base_url)
         server.warm_up(model)
         if before is not None:
             before(server)
-        first_step = server.steps()["next"]
         run_args = copy.copy(args)
         run_args.base_url, run_args.model, run_args.save_result = server.base_url, model, False
-        result = benchmark(run_args, workload)
-        steps = server.steps(first_step)["steps"]
-    return {"label": label, "flags": flags, "result": result, "steps": steps}
+        for _ in range(repeats):
+            server.reset_prefix_cache()
+            first_step = server.steps()["next"]
+            result = benchmark(run_args, workload)
+            runs.append({"result": result, "steps": server.steps(first_step)["steps"]})
+    return {"label": label, "flags": flags, **runs[0], "reruns": runs[1:]}
 
 
 def ideal_ratio(output_lens: list[int], max_num_seqs: int) -> float:

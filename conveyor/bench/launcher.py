@@ -95,6 +95,10 @@ class ConveyorServer(ServerProcess):
         return [sys.executable, "-m", "conveyor.cli", "serve", "--port", str(self.port),
                 *self.flags]
 
+    def reset_prefix_cache(self) -> None:
+        """Forget the cached pages (the server must be idle), so a run starts cold."""
+        httpx.post(self.base_url + "/reset_prefix_cache", timeout=60).raise_for_status()
+
     def steps(self, since: int = 0) -> dict:
         """The server's per-step record from step ``since`` on."""
         resp = httpx.get(f"{self.base_url}/v1/engine/steps", params={"since": since}, timeout=60)
