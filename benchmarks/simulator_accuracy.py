@@ -1,17 +1,19 @@
 """The simulator against the real thing: predicted vs measured ``bench serve`` runs, side by side.
 
 For each ``--max-num-seqs`` and policy: start a server (``bench compare``'s: same KV memory, a
-warm-up request), replay the seeded conversation workload against it, and replay the same
-workload through ``bench simulate``'s simulator on a fitted step cost. ``--fit live`` (default)
-fits each server's own steps of a separate calibration workload (random lengths, another seed)
-served just before the measured one, as ``bench profile --base-url`` does: this VM's speed drifts
-by 10-15% within minutes, so a fit taken once, long before, carries that drift into every
-prediction. ``--fit grid`` profiles the grid once, at the start (``bench profile``), or takes
-``--cost-model``. Prints predicted and measured throughput and p50/p95 TTFT and E2EL with the
-error of each, and the continuous/static ratios; saves every figure as JSON.
+warm-up request), replay the seeded conversation workload against it ``--repeats`` times (each
+from a cold prefix cache; the table compares with the runs' median and shows how far apart they
+were), and replay the same workload through ``bench simulate``'s simulator on a fitted step cost.
+``--fit live`` (default) fits each server's own steps of a calibration run served just before the
+measured ones, as ``bench profile --base-url`` does: the same kind of traffic (the workload's
+dataset and arrival rate) with another seed, as one would fit on yesterday's traffic to plan
+today's. This VM's speed drifts by 10-15% within minutes, so a fit taken once, long before,
+carries that drift into every prediction. ``--fit grid`` profiles the grid once, at the start
+(``bench profile``: the engine alone, no HTTP), or takes ``--cost-model``. Prints predicted and
+measured throughput and p50/p95 TTFT and E2EL with the error of each, and the continuous/static
+ratios; saves every figure as JSON.
 
-    .venv/bin/python benchmarks/simulator_accuracy.py --num-prompts 40 --request-rate 2 \\
-        --result-dir docs/results/simulator
+    .venv/bin/python benchmarks/simulator_accuracy.py --result-dir docs/results/simulator
 """
 
 from __future__ import annotations
@@ -52,10 +54,12 @@ def main() -> None:
     p.add_argument("--fit", default="live", choices=["live", "grid"])
     p.add_argument("--cost-model", default=None,
                    help="with --fit grid: a fitted step cost (default: profile now)")
-    p.add_argument("--calibration-prompts", type=int, default=2,
-                   help="--fit live: calibration requests per seat (max-num-seqs)")
-    p.add_argument("--num-prompts", type=int, default=40)
-    p.add_argument("--request-rate", type=float, default=1.0)
+    p.add_argument("--calibration-prompts", type=int, default=60,
+                   help="--fit live: requests in the calibration run")
+    p.add_argument("--num-prompts", type=int, default=100)
+    p.add_argument("--request-rate", type=float, default=8.0)
+    p.add_argument("--repeats", type=int, default=2,
+                   help="measured runs per configuration, on the same server")
     p.add_argument("--max-num-seqs", type=int, nargs="+", default=[8, 16, 32])
     p.add_argument("--policies", nargs="+", default=["static", "continuous"])
     p.add_argument("--kv-cache-memory", default="1GiB")
@@ -69,21 +73,19 @@ def main() -> None:
             subprocess.run([sys.executable, "-m", "conveyor.cli", "bench", "profile",
                             "--output", cost_path], check=True)
         grid_cost = FittedCost.load(cost_path)
-    args = bench_args(["--dataset-name", "conversation", "--num-prompts", str(opts.num_prompts),
-                       "--request-rate", str(opts.request_rate), "--ignore-eos",
-                       "--kv-cache-memory", opts.kv_cache_memory, "--disable-tqdm",
-                       "--result-dir", opts.result_dir])
+    workload_flags = ["--dataset-name", "conversation", "--request-rate", str(opts.request_rate),
+                      "--ignore-eos", "--disable-tqdm"]
+    args = bench_args([*workload_flags, "--num-prompts", str(opts.num_prompts),
+                       "--kv-cache-memory", opts.kv_cache_memory, "--result-dir", opts.result_dir])
+    calibration_args = bench_args([*workload_flags, "--num-prompts",
+                                   str(opts.calibration_prompts), "--seed", str(args.seed + 1)])
     tokenizer = load_tokenizer(None)
     workload = build_workload(args, tokenizer)
+    calibration = build_workload(calibration_args, tokenizer)
     requests = workload_requests(args, tokenizer)
     config = load_config(None)
     rows = []
     for seqs in opts.max_num_seqs:
-        calibration_args = bench_args([
-            "--dataset-name", "random", "--random-input-len", "400", "--random-output-len", "96",
-            "--random-range-ratio", "0.9", "--num-prompts", str(opts.calibration_prompts * seqs),
-            "--seed", "1", "--ignore-eos", "--disable-tqdm"])
-        calibration = build_workload(calibration_args, tokenizer)
         for policy in opts.policies:
             label = f"{policy}/{seqs}"
             fits = []
@@ -97,19 +99,24 @@ def main() -> None:
                 print(f"calibrated on {len(samples)} steps: {fits[-1].describe()}")
 
             measured = run_config(args, workload, label, server_flags(args, policy, seqs),
-                                  before=calibrate if grid_cost is None else None)
+                                  before=calibrate if grid_cost is None else None,
+                                  repeats=opts.repeats)
+            runs = [measured, *measured["reruns"]]
             cost = grid_cost or fits[0]
             predicted = simulate_run(args, requests, cost, kv_pool(args, cost, config), policy,
                                      seqs, args.max_num_batched_tokens, label)["result"]
-            # how the measured run's own steps compare with the cost model (its error alone)
-            steps = live_samples(measured["steps"])
+            # how the measured runs' own steps compare with the cost model (its error alone)
+            steps = [s for run in runs for s in live_samples(run["steps"])]
             step_ratio = statistics.median(t / cost.step_seconds(shape) for shape, t in steps)
+            figures = {k: [run["result"][k] for run in runs] for k, _ in FIGURES}
             rows.append({"label": label, "policy": policy, "max_num_seqs": seqs,
                          "cost_model": cost.describe(), "fit_samples": cost.num_samples,
                          "measured_step_over_model": step_ratio,
                          "predicted": {k: predicted[k] for k, _ in FIGURES},
-                         "measured": {k: measured["result"][k] for k, _ in FIGURES},
-                         "measured_failed": measured["result"]["failed"]})
+                         "measured": {k: statistics.median(v) for k, v in figures.items()},
+                         "measured_runs": figures,
+                         "measured_spread": {k: max(v) / min(v) - 1 for k, v in figures.items()},
+                         "measured_failed": sum(run["result"]["failed"] for run in runs)})
             print_table(rows)
     ratios = {}
     for seqs in opts.max_num_seqs:
@@ -123,22 +130,27 @@ def main() -> None:
                   f"simulated {r['predicted']:.2f} ({r['measured'] / r['predicted']:.0%} of the "
                   f"simulator's)")
     with open(os.path.join(opts.result_dir, f"accuracy-{opts.fit}.json"), "w") as f:
-        json.dump({"fit": opts.fit, "machine": machine(), "rows": rows,
-                   "ratios": ratios, "num_prompts": opts.num_prompts,
-                   "request_rate": opts.request_rate}, f, indent=1)
+        json.dump({"fit": opts.fit, "machine": machine(), "rows": rows, "ratios": ratios,
+                   "num_prompts": opts.num_prompts, "request_rate": opts.request_rate,
+                   "calibration_prompts": opts.calibration_prompts, "repeats": opts.repeats},
+                  f, indent=1)
 
 
 def print_table(rows: list[dict]) -> None:
-    head = f"{'config':<16}{'steps':>8}" + "".join(f"{name:>24}" for _, name in FIGURES)
-    print("\n" + head + "\n" + f"{'':<16}{'/model':>8}"
+    """Predicted vs the measured runs' median; ``repeats``: how far apart the measured runs were
+    (the widest of the five figures' max/min - 1)."""
+    head = (f"{'config':<16}{'steps':>8}{'repeats':>9}"
+            + "".join(f"{name:>24}" for _, name in FIGURES))
+    print("\n" + head + "\n" + f"{'':<16}{'/model':>8}{'apart':>9}"
           + "".join(f"{'pred / meas / err':>24}" for _ in FIGURES))
     for r in rows:
-        cells = [f"{r['measured_step_over_model']:>8.2f}"]
+        cells = [f"{r['measured_step_over_model']:>8.2f}",
+                 f"{max(r['measured_spread'].values()):>9.0%}"]
         for key, _ in FIGURES:
             pred, meas = r["predicted"][key], r["measured"][key]
             scale = 1 if key == "output_throughput" else 1e-3  # ms -> s
             cells.append(f"{pred * scale:>8.1f} {meas * scale:>7.1f} {pred / meas - 1:>+6.0%}")
-        print(f"{r['label']:<16}{cells[0]}" + "".join(f"{c:>24}" for c in cells[1:]))
+        print(f"{r['label']:<16}{cells[0]}{cells[1]}" + "".join(f"{c:>24}" for c in cells[2:]))
 
 
 if __name__ == "__main__":
