@@ -135,10 +135,14 @@ class TensorParallel:
         if self._closed:
             return
         self._closed = True
-        if self.rank == 0 and all(w.exitcode is None for w in self.workers):
+        if all(w.exitcode is None for w in self.workers):
             try:
-                self.send(None)
-            except RuntimeError:  # a worker is gone already
+                if self.rank == 0:
+                    self.send(None)
+                # every rank at its close before any leaves: a rank that destroys its group
+                # and exits while another is still in a collective aborts that one (gloo)
+                self.barrier()
+            except RuntimeError:  # a rank is gone already
                 pass
         for w in self.workers:
             w.join(10)
