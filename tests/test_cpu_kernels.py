@@ -295,6 +295,12 @@ def native_dtype(request):
     return request.param
 
 
+def block_linear_rows(model) -> int:
+    """The most rows a step's layers send through the GGUF-block linears."""
+    return max(m.quant_linear.max_rows for m in model.modules()
+               if isinstance(m, Linear) and m.quant_linear is not None)
+
+
 def test_decode_stack_matches_the_layers(monkeypatch, default_gguf_path, native_dtype):
     """Each step, the prompts' (their tokens as queries of their own, causal by context length)
     and then a few decodes', runs through both the one-call stack and the layers one by one, on
@@ -320,11 +326,20 @@ def test_decode_stack_matches_the_layers(monkeypatch, default_gguf_path, native_
 
     monkeypatch.setattr(Transformer, "forward", both)
     # Six decodes a step: past the bfloat16 FMA kernel's first rows, so AMX runs the stack's
-    # linears where the machine has it.
-    llm.generate(["The capital of France is", "Once upon a time", "def f(x):", "1, 2, 3,",
-                  "Water boils at", "import numpy as"],
-                 SamplingParams(temperature=0, max_tokens=10, ignore_eos=True), use_tqdm=False)
-    assert len(compared) == 10 and len(compared[0][0]) > 6  # the prompts' step, then decodes
+    # linears where the machine has it. Without AMX, bfloat16 layers one by one take only 4
+    # rows through the block kernel (more go to the prepacked matmul, which rounds apart from
+    # the stack's), so 4 decodes there.
+    model = llm.engine.runner.model
+    decodes = min(6, block_linear_rows(model))
+    prompts = ["The capital of France is", "Once upon a time", "def f(x):", "1, 2, 3,",
+               "Water boils at", "import numpy as"][:decodes]
+    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True),
+                 use_tqdm=False)
+    # The prompts' step joins as queries where its tokens fit the stack's rows (AMX's and
+    # float32's do; bfloat16 without AMX takes 8), then nine steps of decodes.
+    prompt_rows = sum(len(llm.engine.tokenize(p)[1]) for p in prompts)
+    stacked_prompts = prompt_rows <= model.decode_stack.max_rows
+    assert [len(ours) for ours, _ in compared] == [prompt_rows] * stacked_prompts + [decodes] * 9
     differing = []
     for ours, layers in compared:
         diff = (ours - layers).abs()
@@ -353,8 +368,18 @@ def test_prompt_tokens_as_queries_match_sdpa(monkeypatch, default_gguf_path, nat
         return forward(self, input_ids, cos, sin, kv_caches, meta)
 
     monkeypatch.setattr(Transformer, "forward", spy)
-    prompts = ["The capital of France is", "Once upon a time, in a land far away,",
-               "def fibonacci(n):", "Water boils at a temperature of"]
+    # The prompts that one call of the stack takes and whose layers one by one read the same
+    # block linears: AMX's and float32's take all; bfloat16 without AMX 4 rows (its layers
+    # send more to the prepacked matmul, which rounds apart), the last prompt.
+    model = llm.engine.runner.model
+    prompts, rows = [], min(model.decode_stack.max_rows, block_linear_rows(model))
+    for prompt in ["The capital of France is", "Once upon a time, in a land far away,",
+                   "def fibonacci(n):", "Water boils at a temperature of", "Water boils at"]:
+        n = len(llm.engine.tokenize(prompt)[1])
+        if n <= rows:
+            prompts.append(prompt)
+            rows -= n
+    assert prompts
     params = SamplingParams(temperature=0, max_tokens=1, logprobs=3)
     outputs = {}
     for mode, work in (("queries", runner.UNIFIED_CHUNK_WORK[native_dtype]), ("sdpa", 0)):
