@@ -26,11 +26,10 @@ class RequestResult:
     error: str = ""
 
 
-def build_payload(endpoint: str, model: str, req: BenchRequest, ignore_eos: bool) -> dict:
-    payload = {"model": model, "max_tokens": req.output_len, "temperature": 0.0, "stream": True,
-               "stream_options": {"include_usage": True}}
-    if ignore_eos:
-        payload["ignore_eos"] = True  # vLLM's, llama.cpp's and Conveyor's extra field
+def build_payload(endpoint: str, model: str, req: BenchRequest, fields: dict) -> dict:
+    """fields: the sampling fields every request carries (``request_fields``)."""
+    payload = {"model": model, "max_tokens": req.output_len, "stream": True,
+               "stream_options": {"include_usage": True}, **fields}
     if endpoint == "/v1/chat/completions":
         payload["messages"] = [{"role": "user", "content": req.prompt}]
     else:
@@ -48,7 +47,7 @@ def _chunk_text(chunk: dict, chat: bool) -> str:
 
 
 async def send_request(client: httpx.AsyncClient, base_url: str, endpoint: str, model: str,
-                       req: BenchRequest, ignore_eos: bool) -> RequestResult:
+                       req: BenchRequest, fields: dict) -> RequestResult:
     """Stream one request; never raises (a failure is a result with ``success=False``)."""
     result = RequestResult(prompt_len=req.prompt_len)
     chat = endpoint == "/v1/chat/completions"
@@ -57,7 +56,7 @@ async def send_request(client: httpx.AsyncClient, base_url: str, endpoint: str, 
     chunks = 0
     try:
         async with client.stream("POST", base_url.rstrip("/") + endpoint,
-                                 json=build_payload(endpoint, model, req, ignore_eos)) as resp:
+                                 json=build_payload(endpoint, model, req, fields)) as resp:
             if resp.status_code != 200:
                 body = (await resp.aread()).decode(errors="replace")
                 result.error = f"HTTP {resp.status_code}: {body[:200]}"

@@ -39,6 +39,11 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--random-output-len", type=int, default=128)
     p.add_argument("--random-range-ratio", type=float, default=0.0)
     p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="every request's (vLLM's default for the benchmark: 0, greedy)")
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--min-p", type=float, default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--percentile-metrics", default="ttft,tpot,itl,e2el")
     p.add_argument("--metric-percentiles", default="50,90,95,99")
@@ -86,6 +91,18 @@ def parse_selection(args: argparse.Namespace) -> tuple[tuple[str, ...], tuple[fl
     return selected, percentiles
 
 
+def request_fields(args: argparse.Namespace) -> dict:
+    """The sampling fields every request carries: temperature, the filters given, and
+    ``ignore_eos`` (vLLM's, llama.cpp's and Conveyor's extra field)."""
+    fields = {"temperature": args.temperature}
+    for name in ("top_p", "top_k", "min_p"):
+        if getattr(args, name) is not None:
+            fields[name] = getattr(args, name)
+    if args.ignore_eos:
+        fields["ignore_eos"] = True
+    return fields
+
+
 def arrival_gaps(n: int, rate: float, burstiness: float, seed: int) -> list[float]:
     """Seconds to wait after each request: gamma gaps with mean 1/rate (Poisson at shape 1)."""
     if math.isinf(rate):
@@ -97,7 +114,7 @@ def arrival_gaps(n: int, rate: float, burstiness: float, seed: int) -> list[floa
 
 
 async def run_load(base_url: str, endpoint: str, model: str, workload: list[BenchRequest],
-                   gaps: list[float], max_concurrency: int | None, ignore_eos: bool,
+                   gaps: list[float], max_concurrency: int | None, fields: dict,
                    show_progress: bool = True) -> tuple[list[RequestResult], float]:
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     timeout = httpx.Timeout(6 * 3600.0, connect=30.0)
@@ -107,10 +124,10 @@ async def run_load(base_url: str, endpoint: str, model: str, workload: list[Benc
     async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
         async def one(req: BenchRequest) -> RequestResult:
             if semaphore is None:
-                result = await send_request(client, base_url, endpoint, model, req, ignore_eos)
+                result = await send_request(client, base_url, endpoint, model, req, fields)
             else:
                 async with semaphore:
-                    result = await send_request(client, base_url, endpoint, model, req, ignore_eos)
+                    result = await send_request(client, base_url, endpoint, model, req, fields)
             bar.update(1)
             return result
 
@@ -140,7 +157,7 @@ def benchmark(args: argparse.Namespace, workload: list[BenchRequest] | None = No
     model = args.model or served_model(args.base_url)
     gaps = arrival_gaps(len(workload), args.request_rate, args.burstiness, args.seed)
     results, duration = asyncio.run(run_load(args.base_url, args.endpoint, model, workload, gaps,
-                                             args.max_concurrency, args.ignore_eos,
+                                             args.max_concurrency, request_fields(args),
                                              not args.disable_tqdm))
     result = report(args, model, results, duration, selected, percentiles, slos)
     if args.save_result:
@@ -162,7 +179,8 @@ def report(args: argparse.Namespace, model: str, results: list[RequestResult], d
         "endpoint": args.endpoint, "model": model, "num_prompts": len(results),
         "dataset_name": args.dataset_name, "request_rate": args.request_rate,
         "burstiness": args.burstiness, "max_concurrency": args.max_concurrency,
-        "ignore_eos": args.ignore_eos, "goodput_slos_ms": slos, **metrics.summary,
+        "ignore_eos": args.ignore_eos, "sampling": request_fields(args),
+        "goodput_slos_ms": slos, **metrics.summary,
         "input_lens": [r.prompt_len for r in results],
         "output_lens": [r.output_tokens for r in results],
         "ttfts": [r.ttft for r in results], "e2els": [r.latency for r in results],
