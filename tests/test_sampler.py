@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -130,3 +131,89 @@ def test_logprobs_are_raw_log_softmax_with_ranks():
                                                                       rel_tol=1e-5)
     assert [t for t, _, _ in top] == expected.topk(3).indices.tolist()
     assert [r for _, _, r in top] == [1, 2, 3]
+
+
+def nucleus_distribution(logits: torch.Tensor, temperature: float, top_k: int, top_p: float,
+                         min_p: float) -> torch.Tensor:
+    """The exact distribution the filters leave (float64, renormalised), computed apart from the
+    sampler: top_k, then top_p over those, then min_p."""
+    probs = torch.softmax(logits.double() / temperature, -1)
+    order = probs.argsort(descending=True).tolist()
+    if top_k > 0:
+        order = order[:top_k]
+    kept_mass = sum(probs[i] for i in order)
+    nucleus, before = [], 0.0
+    for i in order:
+        if nucleus and before > top_p * kept_mass:
+            break
+        nucleus.append(i)
+        before += float(probs[i])
+    out = torch.zeros_like(probs)
+    top = float(probs[nucleus[0]])
+    for i in nucleus:
+        if probs[i] >= min_p * top:
+            out[i] = probs[i]
+    return out / out.sum()
+
+
+def chi_square_p_value(counts: torch.Tensor, expected: torch.Tensor) -> float:
+    """Pearson's test of counts against expected counts (cells under 5 pooled): the chance of
+    a statistic at least this large if the counts were drawn from the expected distribution."""
+    small = expected < 5
+    obs = torch.cat([counts[~small], counts[small].sum().unsqueeze(0)])
+    exp = torch.cat([expected[~small], expected[small].sum().unsqueeze(0)])
+    obs, exp = obs[exp > 0], exp[exp > 0]
+    stat = float(((obs - exp) ** 2 / exp).sum())
+    dof = len(exp) - 1
+    return float(torch.special.gammaincc(torch.tensor(dof / 2), torch.tensor(stat / 2)))
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p,min_p", [
+    (1.0, 0, 1.0, 0.0), (0.7, 0, 1.0, 0.0), (1.0, 5, 1.0, 0.0), (1.0, 0, 0.8, 0.0),
+    (1.0, 0, 0.3, 0.0), (1.3, 0, 1.0, 0.1), (0.8, 10, 0.9, 0.05), (1.0, 40, 0.95, 0.0)])
+def test_sampled_frequencies_follow_the_renormalised_distribution(temperature, top_k, top_p,
+                                                                 min_p):
+    """20,000 draws a setting against the exact distribution the rules leave: a chi-square test
+    at 0.001 (the seeds are fixed, so the test is deterministic), nothing outside the allowed
+    tokens, and the same counts fail against the unfiltered distribution where the rules cut
+    something (the test can tell them apart)."""
+    gen = torch.Generator().manual_seed(top_k + int(100 * top_p))
+    logits = torch.randn(V, generator=gen)
+    want = nucleus_distribution(logits, temperature, top_k, top_p, min_p)
+    assert (want > 0).sum() >= 3  # a distribution to test
+    sampler = Sampler(V, torch.device("cpu"), 7)
+    batch = [req(str(i), temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
+             for i in range(2000)]
+    counts = torch.zeros(V, dtype=torch.float64)
+    for _ in range(10):
+        for r in sampler(logits.expand(len(batch), V).clone(), batch):
+            counts[r.token_id] += 1
+    assert counts[want == 0].sum() == 0
+    assert chi_square_p_value(counts, want * counts.sum()) > 1e-3
+    unfiltered = torch.softmax(logits.double() / temperature, -1)
+    if (want == 0).any():
+        assert chi_square_p_value(counts, unfiltered * counts.sum()) < 1e-6
+
+
+def test_penalties_and_a_grammar_mask_come_before_the_draw():
+    """The draw is from the penalised logits, restricted to the grammar's tokens."""
+    from conveyor.model.sampler import GrammarMask
+
+    logits = torch.randn(V, generator=torch.Generator().manual_seed(5))
+    allowed = [3, 4, 7, 11, 20]
+    bitmask = torch.zeros(1, 2, dtype=torch.int32)
+    for t in allowed:
+        bitmask[0, t // 32] |= 1 << (t % 32)
+    sampler = Sampler(V, torch.device("cpu"), 1)
+    batch = [req(str(i), outputs=[7], temperature=1.0, presence_penalty=1.5) for i in range(2000)]
+    counts = torch.zeros(V, dtype=torch.float64)
+    for _ in range(10):
+        mask = GrammarMask(list(range(len(batch))), bitmask.expand(len(batch), 2).clone())
+        for r in sampler(logits.expand(len(batch), V).clone(), batch, mask):
+            counts[r.token_id] += 1
+    penalised = logits.double().clone()
+    penalised[7] -= 1.5
+    want = torch.zeros(V, dtype=torch.float64)
+    want[allowed] = torch.softmax(penalised[allowed], -1)
+    assert counts[want == 0].sum() == 0
+    assert chi_square_p_value(counts, want * counts.sum()) > 1e-3

@@ -55,6 +55,8 @@ def _logprobs(row: torch.Tensor, tok: int, k: int) -> list[tuple[int, float, int
 
 
 class Sampler:
+    MAX_ROUNDS = 8  # rejection rounds of top-p sampling before the open rows are sorted
+
     def __init__(self, vocab_size: int, device: torch.device, seed: int,
                  argmax: Callable[[torch.Tensor], torch.Tensor] = first_max) -> None:
         """argmax: each row's first maximum of float32 [B, V] (the CPU kernel, where built)."""
@@ -105,10 +107,10 @@ class Sampler:
         if any(p.uses_penalties for p in params):
             logits = self._apply_penalties(logits, requests)
 
-        greedy = torch.tensor([p.greedy for p in params], device=logits.device)
         tokens = self.argmax(logits)
-        if not bool(greedy.all()):
-            tokens = torch.where(greedy, tokens, self._sample(logits, requests))
+        sampled = [i for i, p in enumerate(params) if not p.greedy]
+        if sampled:
+            tokens[sampled] = self._sample(logits[sampled], [requests[i] for i in sampled])
 
         token_list = tokens.tolist()
         results = []
@@ -163,37 +165,77 @@ class Sampler:
         return (torch.where(seen, penalised, logits) - column("frequency_penalty") * counts
                 - column("presence_penalty") * (counts > 0).float())
 
-    def _sample(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
-        params = [r.sampling_params for r in requests]
-        B, V = logits.shape
-        dev = logits.device
-        temps = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params],
-                             dtype=torch.float32, device=dev)
-        logits = logits / temps.unsqueeze(1)
-
-        top_k = [min(p.top_k, V) if p.top_k > 0 else V for p in params]
-        top_p = [p.top_p for p in params]
-        if any(k < V for k in top_k) or any(p < 1 for p in top_p):
-            sorted_logits, order = logits.sort(dim=-1, descending=True)
-            ranks = torch.arange(V, device=dev).unsqueeze(0)
-            k_t = torch.tensor(top_k, device=dev).unsqueeze(1)
-            sorted_logits = sorted_logits.masked_fill(ranks >= k_t, _NEG_INF)
-            probs = sorted_logits.softmax(dim=-1)
-            before = probs.cumsum(dim=-1) - probs          # mass strictly above each token
-            p_t = torch.tensor(top_p, dtype=torch.float32, device=dev).unsqueeze(1)
-            sorted_logits = sorted_logits.masked_fill((before > p_t) & (ranks > 0), _NEG_INF)
-            logits = torch.full_like(logits, _NEG_INF).scatter_(1, order, sorted_logits)
-
-        probs = logits.softmax(dim=-1)
-        min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32, device=dev)
-        if bool((min_p > 0).any()):
-            floor = min_p.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
-            probs = probs.masked_fill(probs < floor, 0.0)
-
-        # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p.
-        noise = torch.empty_like(probs).exponential_(generator=self.generator)
+    def _uniforms(self, requests: list[Request]) -> torch.Tensor:
+        """One uniform in [0, 1) a row: a seeded request's from its own generator (so its
+        draws do not depend on the batch), the others' from the engine's."""
+        u = torch.rand(len(requests), generator=self.generator, device=self.device)
         for i, r in enumerate(requests):
             gen = self._generator(r)
             if gen is not None:
-                noise[i].exponential_(generator=gen)
-        return self.argmax(probs / noise)
+                u[i] = torch.rand(1, generator=gen, device=self.device)[0]
+        return u
+
+    def _sample(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        """One token a row from softmax(logits / temperature) restricted to the top_k tokens,
+        then to the top_p nucleus of those (the fewest most likely whose mass reaches top_p),
+        then to the tokens at least min_p times as likely as the most likely; renormalised.
+
+        No row is sorted: the nucleus is found by rejection (as FlashInfer samples top-p): draw
+        from the tokens allowed so far (one uniform a row, inverse CDF), accept if the mass of
+        the tokens more likely than the draw is at most top_p, else no token as unlikely as it
+        can be in the nucleus, so the next draw is from the more likely ones only. Accepted
+        draws are distributed exactly as the nucleus renormalised; a few rounds end it (each
+        rejection removes the draw and everything below it), and rows still open after
+        MAX_ROUNDS are finished by a full sort."""
+        params = [r.sampling_params for r in requests]
+        B, V = logits.shape
+        dev = logits.device
+        temps = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev)
+        logits = logits / temps.unsqueeze(1)
+        top_k = [min(p.top_k, V) if p.top_k > 0 else V for p in params]
+        if any(k < V for k in top_k):  # each row's k largest stay (ties as topk breaks them)
+            indices = logits.topk(max(k for k in top_k if k < V), dim=-1).indices
+            keep = torch.arange(indices.shape[1], device=dev) < torch.tensor(
+                top_k, device=dev).unsqueeze(1)
+            kept = torch.zeros(B, V, dtype=torch.bool, device=dev).scatter_(1, indices, keep)
+            kept[torch.tensor([k == V for k in top_k], device=dev)] = True
+            logits = logits.masked_fill(~kept, _NEG_INF)
+        probs = logits.softmax(dim=-1)
+        allowed = probs
+        min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32, device=dev)
+        if bool((min_p > 0).any()):
+            floor = min_p.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
+            allowed = probs.masked_fill(probs < floor, 0.0)
+        top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=dev)
+        tokens = torch.empty(B, dtype=torch.long, device=dev)
+        rows = torch.arange(B, device=dev)  # the rows still drawing
+        low = torch.full((B,), -1.0, device=dev)  # each row draws from probs > low
+        for _ in range(self.MAX_ROUNDS):
+            row_probs = probs[rows]
+            candidates = allowed[rows].masked_fill(row_probs <= low[rows].unsqueeze(1), 0.0)
+            drawn = _inverse_cdf(candidates, self._uniforms([requests[i] for i in rows.tolist()]))
+            p_drawn = row_probs[torch.arange(len(rows), device=dev), drawn]
+            above = row_probs.masked_fill(row_probs <= p_drawn.unsqueeze(1), 0.0).sum(-1)
+            accept = (above <= top_p[rows]) | (top_p[rows] >= 1)
+            tokens[rows[accept]] = drawn[accept]
+            low[rows[~accept]] = p_drawn[~accept]
+            rows = rows[~accept]
+            if len(rows) == 0:
+                return tokens
+        for i in rows.tolist():  # (rare) the nucleus by a sort
+            order = probs[i].argsort(descending=True)
+            before = probs[i][order].cumsum(0) - probs[i][order]
+            nucleus = allowed[i].clone()
+            nucleus[order[(before > top_p[i]) & (torch.arange(V, device=dev) > 0)]] = 0.0
+            tokens[i] = _inverse_cdf(nucleus.unsqueeze(0), self._uniforms([requests[i]]))[0]
+        return tokens
+
+
+def _inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Each row's index drawn with probability proportional to its weight (>= 0, some > 0):
+    the first whose running sum passes u times the row's total; never a zero weight."""
+    cdf = weights.cumsum(dim=-1)
+    drawn = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(1), right=True).squeeze(1)
+    # u * total can round up to the total: the last token of positive weight then
+    last = (weights > 0).cumsum(dim=-1).argmax(dim=-1)
+    return torch.minimum(drawn, last)
