@@ -5,6 +5,7 @@ RMSNorm's own formula, the GGUF-block linear against ``F.linear`` on the loader'
 
 from __future__ import annotations
 
+import copy
 import shutil
 from unittest import mock
 
@@ -226,18 +227,23 @@ K_QUANTS = [Q.Q4_K, Q.Q5_K, Q.Q6_K]
     *[(t, n, k) for t in BLOCKS_32 for n, k in [(96, 160), (40, 64), (7, 1536)]],
     *[(t, n, k) for t in K_QUANTS for n, k in [(96, 256), (40, 512), (7, 1536)]]])
 def test_quant_linear_reads_the_loaders_weights(tier, dtype, qtype, n, k):
-    kernel = built(tier, dtype).quant_linear
+    kernels = built(tier, dtype)
+    kernel = kernels.quant_linear
     if int(qtype) not in kernel.types:
-        assert dtype == BF16 and int(qtype) not in (Q.Q4_0, Q.Q4_1, Q.Q8_0)
-        pytest.skip(f"the bfloat16 kernels read no {qtype.name}")
+        assert dtype == BF16 and qtype in DENSE
+        pytest.skip(f"the bfloat16 kernels read no {qtype.name} (dense weights run dense)")
     weight, dense = random_blocks(qtype, n, k)
-    weight = kernel.in_format(weight)  # float32: the file's blocks; bfloat16: scales widened
+    weight = kernel.in_format(weight)  # float32: the file's blocks; bfloat16: Q4/Q8_0 widened
     expected = dense.to(dtype)
+    # The embedding's lookup reads the same blocks: the same weights, bit for bit.
+    ids = torch.tensor([n - 1, 0, n // 2, 0])
+    assert torch.equal(kernels.dequant_rows(weight, ids), expected[ids])
 
     # One-hot rows read single weights out: equal bit for bit, through every path the kernel
-    # takes by row count (bfloat16 FMAs take 8 rows a call; AMX up to 32 a column of blocks at
-    # a time, more a strip at a time; float32 any number, in register tiles and their edges).
-    chunks = (8,) if dtype == BF16 and not kernel.amx else (1, 5, 7, 32, 200, k)
+    # takes by row count (bfloat16 FMAs take 8 rows a call, more as dequantized rows; AMX up to
+    # 32 a column of blocks at a time, more a strip at a time; float32 any number, in register
+    # tiles and their edges).
+    chunks = (1, 5, 8, 9, 40) if dtype == BF16 and not kernel.amx else (1, 5, 7, 32, 200, k)
     for chunk in chunks:
         for start in range(0, k, chunk):
             rows = min(chunk, k - start)
@@ -247,8 +253,7 @@ def test_quant_linear_reads_the_loaders_weights(tier, dtype, qtype, n, k):
 
     # Random rows (strided, as a slice of a wider activation) and a bias: F.linear's result up
     # to the order of the float32 sum, at row counts on and off every tile's edge.
-    row_counts = ((1, 2, 5) if dtype == BF16 and not kernel.amx
-                  else (1, 2, 5, 7, 16, 17, 32, 33, 70, 200))
+    row_counts = (1, 2, 5, 7, 8, 9, 16, 17, 32, 33, 70, 200)
     gen = torch.Generator().manual_seed(n + k)
     wide = torch.randn(max(row_counts), k + 32, generator=gen).to(dtype)
     x = wide[:, 16:16 + k]
@@ -261,30 +266,30 @@ def test_quant_linear_reads_the_loaders_weights(tier, dtype, qtype, n, k):
         else:  # float32 sums in another order: within a few steps of the sum of |terms|
             bound = F.linear(x[:rows].abs().float(), expected.abs().float(), bias.abs().float())
             assert ((got - want).abs() <= 1e-6 * bound + 1e-30).all()
-    if dtype == BF16 and not kernel.amx:
-        with pytest.raises(ValueError):
-            kernel(torch.randn(9, k, dtype=dtype), weight)
 
 
 @pytest.mark.parametrize("tier,dtype", CASES)
-def test_linear_reads_blocks_only_up_to_max_rows(tier, dtype):
-    kernel = built(tier, dtype).quant_linear
+def test_linear_reads_its_blocks_at_every_row_count(tier, dtype):
+    """A Linear in GGUF blocks has no dense weight: every row count reads its blocks, at most
+    max_rows a kernel call (bfloat16 FMAs, without AMX: more as dequantized rows)."""
+    kernel = copy.copy(built(tier, dtype).quant_linear)
+    kernel.max_rows = 3
     weight, dense = random_blocks(gguf.GGMLQuantizationType.Q4_1, 64, 128)
-    linear = Linear(128, 64, bias=False).to(dtype)
+    linear = Linear(128, 64, bias=False)
+    linear.weight = torch.nn.Parameter(torch.empty(0, dtype=dtype), requires_grad=False)
+    linear.quantized, linear.quant_linear = (kernel.in_format(weight),), kernel
+    calls = []
+    call = kernel._call
+    kernel._call = lambda x, *args: calls.append(len(x)) or call(x, *args)
+    x = torch.randn(7, 128, dtype=dtype)
     with torch.no_grad():
-        linear.weight.copy_(dense)
-    linear.quantized = kernel.in_format(weight)
-    spy = mock.Mock(wraps=kernel)
-    spy.max_rows = min(kernel.max_rows, 16)
-    linear.quant_linear = spy
-    x = torch.randn(spy.max_rows + 1, 128, dtype=dtype)
-    with torch.no_grad():
-        for rows in (1, spy.max_rows, spy.max_rows + 1):
+        for rows in (1, 3, 7):
             torch.testing.assert_close(linear(x[:rows]).float(),
-                                       F.linear(x[:rows], linear.weight).float(),
+                                       F.linear(x[:rows], dense.to(dtype)).float(),
                                        **close(dtype, dict(rtol=2 ** -7, atol=1e-2),
                                                dict(rtol=1e-4, atol=1e-4)))
-    assert spy.call_count == 2  # 1 and max_rows rows; one more goes to the dense matmul
+    dequantized = dtype == BF16 and not kernel.amx
+    assert calls == ([1, 3] if dequantized else [1, 3, 3, 3, 1])
 
 
 @pytest.fixture(params=[pytest.param(d, id=str(d).removeprefix("torch.")) for d in (F32, BF16)])
@@ -408,26 +413,24 @@ def test_argmax_rows_finds_the_first_maximum(tier):
         assert torch.equal(argmax(x), x.argmax(dim=-1))
 
 
-def test_head_reads_its_blocks_up_to_a_few_rows(default_gguf_path, native_dtype):
-    """The tied head (SmolLM2's Q8_0 embedding) through the block kernel at a few rows (in
-    float32, at any number) and the dense matmul past them: both the head's logits up to the
-    order of the float32 sums."""
+def test_tied_head_and_embedding_read_the_tables_blocks(default_gguf_path, native_dtype):
+    """The tied table (SmolLM2's Q8_0 embedding) is kept only in its blocks: the head reads them
+    through the block kernel at every row count, the embedding looks its rows up in them; both
+    the loader's weights in the model dtype, up to the order of the float32 sums."""
     from conveyor import LLM
-    from conveyor.kernels.bindings import QuantLinear
+    from conveyor.model.loader import load_model
 
     model = LLM(model=default_gguf_path, dtype=str(native_dtype).removeprefix("torch."),
                 max_num_seqs=4).engine.runner.model
-    assert model.output is None and model.head_blocks is not None
-    kernel = model.head_kernel = mock.Mock(wraps=model.head_kernel)
-    few = model.head_block_rows
-    unbounded = few >= QuantLinear.F32_ROWS
-    assert unbounded == (native_dtype == F32)
-    counts = (1, 32, 300) if unbounded else (1, few, few + 1)
-    hidden = torch.randn(max(counts), model.config.hidden_size, dtype=native_dtype)
+    assert model.output is None and model.head_blocks is model.embedding_blocks is not None
+    assert model.tok_embeddings.weight.numel() == 0  # no dense table
+    table = load_model(default_gguf_path).dense("tok_embeddings.weight").to(native_dtype)
+    ids = torch.tensor([0, 19556, 49151, 19556])
+    assert torch.equal(model.embed(ids), table[ids])
+    hidden = torch.randn(300, model.config.hidden_size, dtype=native_dtype)
     with torch.no_grad():
-        for rows in counts:
-            want = F.linear(hidden[:rows].float(), model.tok_embeddings.weight.float())
+        for rows in (1, 32, 300):
+            want = F.linear(hidden[:rows].float(), table.float())
             torch.testing.assert_close(model.compute_logits(hidden[:rows]), want,
                                        **close(native_dtype, dict(rtol=2 ** -7, atol=2e-2),
                                                dict(rtol=1e-4, atol=1e-4)))
-    assert kernel.call_count == sum(rows <= few for rows in counts)

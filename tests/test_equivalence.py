@@ -230,21 +230,21 @@ def test_k_quant_gguf_matches_transformers(k_quant_gguf, on_path, path, policy):
     if path != "pytorch":  # and the kernels did read them
         model = LLM(model=k_quant_gguf, dtype="float32", num_kv_blocks=8).engine.runner.model
         assert [q.ggml_type for q in model.layers[0].attention.wqkv.quantized] == [
-            Q.Q4_K, Q.Q6_K]
+            Q.Q4_K, Q.Q4_K, Q.Q6_K]
         assert [q.ggml_type for q in model.layers[1].feed_forward.w13.quantized] == [
             Q.Q4_K, Q.Q8_0]
-        assert model.head_blocks.ggml_type == Q.Q6_K and model.decode_stack is not None
+        assert model.output.quantized[0].ggml_type == Q.Q6_K and model.decode_stack is not None
 
 
 def test_a_type_the_kernels_do_not_read_runs_dense(k_quant_gguf, monkeypatch, caplog):
-    """As on the bfloat16 tiers, which read only Q4_0, Q4_1 and Q8_0: each such matrix runs as
-    a dense weight, the rest still read their blocks, and one line names them."""
+    """A matrix of a type the kernels do not read (here Q6_K, taken off their list) runs as a
+    dense weight, the rest still read their blocks, and one line names them."""
     monkeypatch.setattr(bindings, "BLOCK_TYPES", bindings.BLOCK_TYPES - {int(Q.Q6_K)})
     with caplog.at_level("INFO", logger="conveyor"):
         model = LLM(model=k_quant_gguf, dtype="float32", num_kv_blocks=8).engine.runner.model
     line = next(r.getMessage() for r in caplog.records if "do not read" in r.getMessage())
     assert line.endswith("Q6_K (layers.*.attention.wv.weight, layers.*.feed_forward.w2.weight, "
                          "output.weight)")
-    assert model.layers[0].attention.wqkv.quantized is None and model.head_blocks is None
+    assert model.layers[0].attention.wqkv.quantized is None and model.output.quantized is None
     assert model.layers[0].attention.wo.quantized is not None and model.decode_stack is None
     check_model("tiny-gguf", k_quant_gguf, "continuous")

@@ -28,8 +28,7 @@ from tiny_models import (
 from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor, load_gguf_checkpoint
 
 from conveyor.model.config import ModelConfig
-from conveyor.model.gguf_file import (gguf_config, gguf_quantized_weights, gguf_weights,
-                                      load_gguf_tokenizer)
+from conveyor.model.gguf_file import gguf_config, gguf_tensors, load_gguf_tokenizer, read_gguf
 from conveyor.model.loader import LoadedModel, check_weights, load_model
 
 # --- the default GGUF -------------------------------------------------------------------------
@@ -43,8 +42,25 @@ def test_default_gguf_config(default_model: LoadedModel) -> None:
     assert c.rope_theta == 100000.0 and c.rope_scaling is None and c.torch_dtype is None
     assert default_model.name == "SmolLM2-135M-Instruct.Q4_1"
     assert 2 in default_model.eos_token_ids
-    assert "output.weight" not in default_model.weights
+    assert "output.weight" not in default_model.names()
     assert all(w.dtype == torch.float32 for w in default_model.weights.values())
+    # every matrix in its blocks (no dense weights), read where the file's map has them; llama's
+    # q/k rows, un-interleaved, are copies
+    assert {n for n, w in default_model.weights.items() if w.ndim == 2} == set()
+    for name, q in default_model.quantized.items():
+        copied = re.search(r"\.w[qk]\.", name) is not None
+        assert (mapped_file(q.blocks.data_ptr()) == default_model.path) != copied, name
+
+
+def mapped_file(address: int) -> str | None:
+    """The file this process has mapped at address (None: anonymous memory)."""
+    with open("/proc/self/maps") as f:
+        for line in f:
+            fields = line.split(maxsplit=5)
+            start, end = (int(x, 16) for x in fields[0].split("-"))
+            if start <= address < end:
+                return fields[5].strip() if len(fields) == 6 else None
+    return None
 
 
 def test_default_gguf_tokenizer(default_model: LoadedModel) -> None:
@@ -64,7 +80,7 @@ def test_gguf_permutation_matches_transformers(default_model: LoadedModel, defau
             t = tensors[f"blk.{layer}.{kind}.weight"]
             expected = processor.process(weights=dequantize(t.data, t.tensor_type), name=t.name).weights
             name = f"layers.{layer}." + (f"attention.{ours}.weight" if ours else "feed_forward.w2.weight")
-            assert torch.equal(default_model.weights[name], torch.from_numpy(expected)), name
+            assert torch.equal(default_model.dense(name), torch.from_numpy(expected)), name
 
 
 @pytest.mark.slow
@@ -80,9 +96,9 @@ def test_gguf_weights_match_transformers(default_model: LoadedModel, default_ggu
         model = transformers.AutoModelForCausalLM.from_config(config)
     hf_tensors = load_gguf_checkpoint(default_gguf_path, return_tensors=True, model_to_load=model)["tensors"]
     expected = {hf_to_conveyor_name(k): v for k, v in hf_tensors.items()}
-    assert expected.keys() == default_model.weights.keys()
+    assert expected.keys() == default_model.names()
     for name, tensor in expected.items():
-        torch.testing.assert_close(default_model.weights[name], tensor, rtol=0, atol=1e-6, msg=name)
+        torch.testing.assert_close(default_model.dense(name), tensor, rtol=0, atol=1e-6, msg=name)
     c = default_model.config
     assert (c.rms_norm_eps, c.rope_theta) == (config.rms_norm_eps, config.rope_parameters["rope_theta"])
     assert c.max_position_embeddings == config.max_position_embeddings
@@ -109,19 +125,20 @@ def test_gguf_config_and_weights_roundtrip(arch: str, tied: bool, tmp_path: Path
     model = make_tiny_model(arch, tie_word_embeddings=tied)
     path = str(tmp_path / f"tiny-{arch}.gguf")
     write_gguf(path, model)
-    reader = gguf.GGUFReader(path)
+    reader = read_gguf(path)
     config = gguf_config(reader)
     assert (config.architecture, config.vocab_size, config.num_layers) == (arch, 49152, 2)
     assert (config.num_heads, config.num_kv_heads, config.head_dim) == (4, 2, 32 if arch == "qwen3" else 16)
     assert config.tie_word_embeddings == tied
     assert (config.attention_bias, config.qk_norm) == (arch == "qwen2", arch == "qwen3")
     assert config.rms_norm_eps == pytest.approx(1e-5) and config.max_position_embeddings == 4096
-    weights = gguf_weights(reader, config)
-    check_weights(weights, config)
+    weights, quantized = gguf_tensors(reader, config)
+    dense = weights | {name: q.dequantize() for name, q in quantized.items()}
+    check_weights(dense, config)
     expected = conveyor_state_dict(model, tied=tied)
-    assert expected.keys() == weights.keys()
+    assert expected.keys() == dense.keys()
     for name, tensor in expected.items():
-        assert torch.equal(weights[name], tensor), name
+        assert torch.equal(dense[name], tensor), name
 
 
 def test_a_mixed_gguf_takes_block_kernels_per_matrix_and_names_the_rest(
@@ -131,23 +148,26 @@ def test_a_mixed_gguf_takes_block_kernels_per_matrix_and_names_the_rest(
     path = write_gguf(str(tmp_path / "mixed.gguf"), model, types={
         "attn_q": q.Q8_0, "attn_k": q.Q4_0, "attn_v": q.F16, "attn_output": q.Q5_0,
         "ffn_down": q.MXFP4, "output": q.Q8_0})
-    reader = gguf.GGUFReader(path)
+    reader = read_gguf(path)
     with caplog.at_level("INFO", logger="conveyor"):
-        quantized = gguf_quantized_weights(reader, gguf_config(reader))
+        weights, quantized = gguf_tensors(reader, gguf_config(reader))
     # the rest of the matrices are F32: dense rows the kernels read too
     assert {re.sub(r"layers\.\d+\.", "", n) for n in quantized} == {
         "attention.wq.weight", "attention.wk.weight", "attention.wv.weight",
         "attention.wo.weight", "feed_forward.w1.weight", "feed_forward.w3.weight",
-        "output.weight"}
+        "output.weight", "tok_embeddings.weight"}
+    assert {re.sub(r"layers\.\d+\.", "", n) for n, w in weights.items() if w.ndim == 2} == {
+        "feed_forward.w2.weight"}
     assert {quantized[n].ggml_type for n in quantized if "wk" in n} == {int(q.Q4_0)}
     assert {quantized[n].ggml_type for n in quantized if "wv" in n} == {int(q.F16)}
     assert {quantized[n].ggml_type for n in quantized if "w1" in n} == {int(q.F32)}
     # Q5_0 is read as Q8_0 blocks (the same scale, q - 16 in a byte): the same weights
-    weights = gguf_weights(reader, gguf_config(reader))
-    for name in (n for n in quantized if ".wo." in n):
+    stored = {t.name: t for t in gguf.GGUFReader(path).tensors}
+    for i in range(2):
+        name, t = f"layers.{i}.attention.wo.weight", stored[f"blk.{i}.attn_output.weight"]
         assert quantized[name].ggml_type == int(q.Q8_0)
-        as_q8 = dequantize(quantized[name].blocks.numpy(), q.Q8_0).reshape(weights[name].shape)
-        assert torch.equal(torch.from_numpy(as_q8), weights[name])
+        as_q5 = dequantize(t.data, t.tensor_type).reshape(quantized[name].dequantize().shape)
+        assert torch.equal(quantized[name].dequantize(), torch.from_numpy(as_q5))
     line = next(r.getMessage() for r in caplog.records if "no block kernel" in r.getMessage())
     assert line.endswith(": MXFP4 (layers.*.feed_forward.w2.weight)")
 
@@ -195,7 +215,7 @@ def test_tiny_checkpoint_roundtrip(case: str, tiny_checkpoint: Callable[..., str
     assert c.torch_dtype == "float32"
 
     expected = conveyor_state_dict(hf, tied=c.tie_word_embeddings)
-    assert expected.keys() == loaded.weights.keys()
+    assert expected.keys() == loaded.weights.keys() == loaded.names()
     for name, tensor in expected.items():
         assert torch.equal(loaded.weights[name], tensor), name
     assert loaded.eos_token_ids == [2]

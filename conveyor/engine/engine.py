@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import logging
+import resource
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -59,6 +60,13 @@ class _RequestState:
     @property
     def finished(self) -> bool:
         return all(s.request.is_finished for s in self.samples)
+
+
+def resident_gib() -> tuple[float, float]:
+    """This process's resident memory now and at its peak, in GiB (Linux)."""
+    with open("/proc/self/statm") as f:
+        now = int(f.read().split()[1]) * resource.getpagesize()
+    return now / 2**30, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
 def _check_text(text: str, what: str) -> None:
@@ -134,7 +142,9 @@ class LLMEngine:
             tp.barrier()
         self.kv_cache_bytes = num_blocks * per_block
         self.load_seconds = time.monotonic() - started  # the file, its weights placed, kernels
-        logger.info("loaded %s in %.1f s; dtype %s (%s); %s", loaded.name, self.load_seconds,
+        logger.info("loaded %s in %.1f s (resident %.2f GiB, peak %.2f GiB; KV pool %.2f GiB, "
+                    "resident as it fills); dtype %s (%s); %s", loaded.name, self.load_seconds,
+                    *resident_gib(), self.kv_cache_bytes / 2**30,
                     str(self.dtype).removeprefix("torch."), self.dtype_reason,
                     self.runner.kernel_path)
 

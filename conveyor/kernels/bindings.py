@@ -11,8 +11,9 @@ import ctypes
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
-from conveyor.model.gguf_file import BLOCK_TYPES, WIDE_SCALARS, QuantizedWeight
+from conveyor.model.gguf_file import BLOCK_TYPES, DENSE_TYPES, WIDE_SCALARS, QuantizedWeight
 
 SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
@@ -142,19 +143,42 @@ class RopeKVWrite:
                  torch.get_num_threads())
 
 
-class QuantLinear:
-    """``x @ w.T + bias`` with w in GGUF blocks, up to ``max_rows`` rows (the model's
-    ``Linear`` takes its dense weight past them)."""
+class DequantRows:
+    """Rows of a matrix in GGUF blocks (in the format the dtype's block linears read), as
+    dense rows of the model dtype: the embedding table's rows a step looks up."""
 
-    # bfloat16, AVX-512 FMAs (no AMX): up to this many rows it beat the prepacked bfloat16
-    # linear by 1.3-1.4x on SmolLM2's layers (dequantizing is compute-bound); at 5-8 they tie.
-    FMA_ROWS = 4
+    def __init__(self, lib: ctypes.CDLL, dtype: torch.dtype) -> None:
+        self.dtype = dtype
+        self._fn = entry(lib, "dequant_rows", dtype, [p, i64, i32, p, i32, i32, p, i64, i32], i32)
+
+    def __call__(self, weight: QuantizedWeight, ids: torch.Tensor) -> torch.Tensor:
+        """ids: [n] int64 row numbers (in range: the engine checks token ids). Returns
+        [n, in_features]."""
+        ids = ids.contiguous()
+        assert ids.dtype == torch.int64 and ids.device.type == "cpu"
+        k = weight.blocks.shape[1] // weight.block_bytes * weight.block_values
+        out = torch.empty(len(ids), k, dtype=self.dtype)
+        rc = self._fn(weight.blocks.data_ptr(), weight.blocks.stride(0), weight.ggml_type,
+                      ids.data_ptr(), len(ids), k, out.data_ptr(), out.stride(0),
+                      torch.get_num_threads())
+        if rc != 0:
+            raise ValueError(f"dequant_rows: ggml type {weight.ggml_type} is not handled")
+        return out
+
+
+class QuantLinear:
+    """``x @ w.T + bias`` with w in GGUF blocks, at any number of rows (``max_rows`` a call of
+    the kernel; more are taken in pieces, or, by the bfloat16 FMA kernel, as dense rows)."""
+
+    # bfloat16, AVX-512 FMAs (no AMX): the kernel's most rows (MAX_ROWS in
+    # quant_linear_bf16.c). Past them each run is dequantized to bfloat16 and multiplied by
+    # F.linear.
+    FMA_ROWS = 8
     # bfloat16, AMX: 0.8x the prepacked linear's time from 1 to 64 rows, ~0.95x up to 512,
     # 1.35x at 2048 (SmolLM2's layers, alternated runs), where its activation tiles outgrow
-    # the L2.
+    # the L2: more rows are taken 512 at a time.
     AMX_ROWS = 512
-    # float32: any number of rows (its own register-blocked products; the dense float32
-    # weights are only the PyTorch path's).
+    # float32: any number of rows (its own register-blocked products)
     F32_ROWS = 1 << 30
 
     def __init__(self, lib: ctypes.CDLL, dtype: torch.dtype) -> None:
@@ -162,21 +186,23 @@ class QuantLinear:
         self._fn = entry(lib, "quant_linear", dtype,
                          [p, i64, p, i64, i32, p, p, i64, i32, i32, i32, i32], i32)
         self.amx = dtype == torch.bfloat16 and bool(lib.has_amx())
-        self.wide = dtype == torch.bfloat16  # the block format it reads (QuantizedWeight.wide)
-        # the bfloat16 kernels read Q4_0, Q4_1 and Q8_0; the float32 ones every block type
-        self.types = frozenset(WIDE_SCALARS) if self.wide else BLOCK_TYPES
+        # the bfloat16 kernels read Q4_0, Q4_1 and Q8_0 with their scalars widened
+        self.wide = dtype == torch.bfloat16
+        # the float32 kernels read every block type and dense rows; the bfloat16 ones the
+        # block types
+        self.types = BLOCK_TYPES - set(DENSE_TYPES.values() if self.wide else ())
         self.max_rows = (self.F32_ROWS if dtype == torch.float32
                          else self.AMX_ROWS if self.amx else self.FMA_ROWS)
+        self._dense_rows = DequantRows(lib, dtype) if self.wide and not self.amx else None
 
     def in_format(self, weight: QuantizedWeight) -> QuantizedWeight:
         """The weight's blocks as this kernel reads them."""
-        return weight.widened() if self.wide else weight
+        return weight.widened() if self.wide and weight.ggml_type in WIDE_SCALARS else weight
 
     def __call__(self, x: torch.Tensor, weight: QuantizedWeight | tuple[QuantizedWeight, ...],
                  bias: torch.Tensor | None = None) -> torch.Tensor:
         """x: [rows, in] (rows may be strided); weight: in_format's, or runs of output rows
-        (a fused linear whose parts are of different types); bias: [out]. Returns
-        [rows, out]."""
+        (a fused linear's parts); bias: [out]. Returns [rows, out]."""
         runs = weight if isinstance(weight, tuple) else (weight,)
         rows, k = x.shape
         n = sum(w.blocks.shape[0] for w in runs)
@@ -185,19 +211,31 @@ class QuantLinear:
         y = torch.empty(rows, n, dtype=self.dtype)
         n0 = 0
         for w in runs:
-            assert w.wide == self.wide and w.ggml_type in self.types
+            assert w.wide == (self.wide and w.ggml_type in WIDE_SCALARS)
+            assert w.ggml_type in self.types
             assert w.blocks.shape[1] == k // w.block_values * w.block_bytes
-            rc = self._fn(x.data_ptr(), x.stride(0), w.blocks.data_ptr(), w.blocks.stride(0),
-                          w.ggml_type, None if bias is None else bias[n0:].data_ptr(),
-                          y[:, n0:].data_ptr(), y.stride(0), rows, w.blocks.shape[0], k,
-                          torch.get_num_threads())
-            if rc == -2:
-                raise MemoryError("quant_linear: no memory for its scratch buffer")
-            if rc != 0:
-                raise ValueError(f"quant_linear: {rows} rows of {k} with ggml type "
-                                 f"{w.ggml_type} is not handled")
+            part = None if bias is None else bias[n0:n0 + w.blocks.shape[0]]
+            if rows > self.max_rows and self._dense_rows is not None:
+                dense = self._dense_rows(w, torch.arange(w.blocks.shape[0]))
+                y[:, n0:n0 + w.blocks.shape[0]] = F.linear(x, dense, part)
+            else:
+                for m0 in range(0, rows, self.max_rows):
+                    m1 = min(rows, m0 + self.max_rows)
+                    self._call(x[m0:m1], w, part, y[m0:m1, n0:])
             n0 += w.blocks.shape[0]
         return y
+
+    def _call(self, x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None,
+              y: torch.Tensor) -> None:
+        rows, k = x.shape
+        rc = self._fn(x.data_ptr(), x.stride(0), w.blocks.data_ptr(), w.blocks.stride(0),
+                      w.ggml_type, None if bias is None else bias.data_ptr(), y.data_ptr(),
+                      y.stride(0), rows, w.blocks.shape[0], k, torch.get_num_threads())
+        if rc == -2:
+            raise MemoryError("quant_linear: no memory for its scratch buffer")
+        if rc != 0:
+            raise ValueError(f"quant_linear: {rows} rows of {k} with ggml type "
+                             f"{w.ggml_type} is not handled")
 
 
 class _Run(ctypes.Structure):
@@ -239,13 +277,8 @@ class StackLayer:
 
 
 class DecodeStack:
-    """``decode_stack`` bound to one model's layers: call it with a step's embeddings."""
-
-    # bfloat16 without AMX, the FMA kernel's limit (MAX_ROWS in quant_linear_bf16.c): from 5
-    # to 8 rows its linears only tie the prepacked matmul, but a step without ~20 Python-side
-    # ops a layer still wins (29.9 vs 41.2 ms a step at 6 decodes, 35.5 vs 43.5 at 8,
-    # SmolLM2, alternated). With AMX, and in float32, as many rows as the linears take.
-    FMA_ROWS = 8
+    """``decode_stack`` bound to one model's layers: call it with a step's embeddings, up to
+    ``max_rows`` (the rows a block-linear call takes)."""
 
     def __init__(self, lib: ctypes.CDLL, dtype: torch.dtype, layers: list[StackLayer], *,
                  max_rows: int, heads: int, kv_heads: int, head_dim: int, intermediate: int,
@@ -258,7 +291,8 @@ class DecodeStack:
         def matrix(runs: tuple[QuantizedWeight, ...]) -> _Matrix:
             assert 1 <= len(runs) <= _Matrix.MAX_RUNS
             for w in runs:
-                assert w.blocks.is_contiguous() and w.wide == (dtype == torch.bfloat16)
+                assert w.blocks.stride(1) == 1
+                assert w.wide == (dtype == torch.bfloat16 and w.ggml_type in WIDE_SCALARS)
             return _Matrix((_Run * _Matrix.MAX_RUNS)(*[
                 _Run(w.blocks.data_ptr(), w.blocks.stride(0), w.ggml_type, w.blocks.shape[0])
                 for w in runs]), len(runs))

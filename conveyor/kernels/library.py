@@ -15,7 +15,8 @@ import torch
 
 from conveyor.kernels import build, isa
 from conveyor.kernels.bindings import (AddRMSNorm, ArgmaxRows, DecodeKernel, DecodeStack,
-                                       QuantLinear, RopeKVWrite, SiluMul, StackLayer, has_entry)
+                                       DequantRows, QuantLinear, RopeKVWrite, SiluMul, StackLayer,
+                                       has_entry)
 
 logger = logging.getLogger("conveyor")
 
@@ -33,13 +34,13 @@ class CPUKernels:
     rope_kv_write: RopeKVWrite
     quant_linear: QuantLinear
     argmax_rows: ArgmaxRows
+    dequant_rows: DequantRows
     lib: ctypes.CDLL
 
     def decode_stack(self, layers: list[StackLayer], **shape) -> DecodeStack:
         """The one-call layer stack over these layers."""
-        q = self.quant_linear
-        rows = q.max_rows if q.amx or self.dtype == torch.float32 else DecodeStack.FMA_ROWS
-        return DecodeStack(self.lib, self.dtype, layers, max_rows=rows, **shape)
+        return DecodeStack(self.lib, self.dtype, layers, max_rows=self.quant_linear.max_rows,
+                           **shape)
 
 
 @functools.cache
@@ -87,7 +88,7 @@ def kernels_at(tier: str, dtype: torch.dtype, head_dim: int) -> CPUKernels | Non
         return None
     return CPUKernels(tier, dtype, DecodeKernel(lib, dtype), AddRMSNorm(lib, dtype),
                       SiluMul(lib, dtype), RopeKVWrite(lib, dtype), QuantLinear(lib, dtype),
-                      ArgmaxRows(lib), lib)
+                      ArgmaxRows(lib), DequantRows(lib, dtype), lib)
 
 
 def cpu_kernels(device: torch.device, dtype: torch.dtype, head_dim: int) -> CPUKernels | None:

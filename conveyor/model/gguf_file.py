@@ -1,4 +1,5 @@
-"""Reading llama.cpp GGUF files: config, dequantized weights, eos ids and a cached tokenizer."""
+"""Reading llama.cpp GGUF files: config, weights (matrices as the file stores them, views of its
+memory map), eos ids and a cached tokenizer."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import torch
 import transformers
 
 from conveyor.model.config import ModelConfig
+from conveyor.model.gguf_reader import GGUFFile
 
 logger = logging.getLogger("conveyor")
 
@@ -76,17 +78,32 @@ class QuantizedWeight:
         size = gguf.GGML_QUANT_SIZES[_Q(self.ggml_type)][1]
         return size + 2 * WIDE_SCALARS[self.ggml_type] if self.wide else size
 
+    @property
+    def in_features(self) -> int:
+        return self.blocks.shape[1] // self.block_bytes * self.block_values
+
     @classmethod
     def from_gguf(cls, ggml_type: int, blocks: np.ndarray) -> QuantizedWeight:
-        """blocks: [rows, row bytes] as the file stores them, or a dense type's [rows, in]
-        (copied: the file is mapped read-only)."""
-        return cls(ggml_type, torch.from_numpy(np.array(blocks, copy=True).view(np.uint8)
+        """blocks: [rows, row bytes] as a GGUF stores them, or a dense type's [rows, in] (not
+        copied)."""
+        return cls(ggml_type, torch.from_numpy(np.ascontiguousarray(blocks).view(np.uint8)
                                                .reshape(blocks.shape[0], -1)))
 
     @classmethod
     def from_dense(cls, weight: torch.Tensor) -> QuantizedWeight:
         """A float32, float16 or bfloat16 matrix's rows as the kernels read them (a view)."""
         return cls(DENSE_TYPES[weight.dtype], weight.contiguous().view(torch.uint8))
+
+    def dequantize(self, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """The weights (of ``rows`` only, when given) in float32, as gguf-py computes them (the
+        loader's arithmetic, which the kernels reproduce)."""
+        assert not self.wide
+        blocks = self.blocks if rows is None else self.blocks[rows]
+        if self.ggml_type in DENSE_TYPES.values():
+            dtype = next(d for d, t in DENSE_TYPES.items() if t == self.ggml_type)
+            return blocks.view(dtype).float()
+        w = gguf.quants.dequantize(blocks.numpy(), _Q(self.ggml_type))
+        return torch.from_numpy(w.reshape(blocks.shape[0], -1))
 
     def widened(self) -> QuantizedWeight:
         """These blocks with their scalars widened to float32 (a copy; self if already)."""
@@ -112,68 +129,30 @@ _TOKENIZER_PROBE = "Hello world!  12345 naïve 🤗\n\n<|im_start|>user\tdef f(x
 _REQUIRED = object()
 
 
-_ARRAY = int(gguf.GGUFValueType.ARRAY)
-# The fewest bytes an array item of each metadata type takes (a string: its length).
-_SMALLEST_ITEM = {int(gguf.GGUFValueType.STRING): 8, _ARRAY: 12} | {
-    int(t): np.dtype(d).itemsize for t, d in gguf.GGUFReader.gguf_scalar_to_np.items()}
-
-
-class _BoundedReader(gguf.GGUFReader):
-    """gguf-py's reader, refusing to read past the end of the file. It slices its memory map
-    there silently, so a truncated or corrupted file fails later with an IndexError or a numpy
-    error, or, where a corrupted array length says ~2**60 numbers, loops on empty reads.
-    These helpers run for every read (~250k for SmolLM2's vocabulary): their checks stay on
-    plain ints."""
-
-    def _past_end(self, offset: int, end: int) -> ValueError:
-        return ValueError(f"{end - offset} bytes at offset {offset} run past the end of the "
-                          f"file ({self.data.size} bytes): truncated or corrupted")
-
-    def _get(self, offset: int, dtype: Any, count: int = 1, override_order: Any = None) -> Any:
-        end = int(offset) + np.dtype(dtype).itemsize * int(count)
-        if end > self.data.size:
-            raise self._past_end(int(offset), end)
-        return super()._get(offset, dtype, count, override_order)
-
-    def _get_field_parts(self, orig_offs: int, raw_type: int) -> Any:
-        if raw_type == _ARRAY:  # the smallest its items can be must fit, before the loop
-            item, count = self._get(orig_offs, np.uint32)[0], self._get(orig_offs + 4, np.uint64)[0]
-            end = orig_offs + 12 + int(count) * _SMALLEST_ITEM.get(int(item), 1)
-            if end > self.data.size:
-                raise self._past_end(orig_offs, end)
-        return super()._get_field_parts(orig_offs, raw_type)
-
-
 def _one_line(e: BaseException) -> str:
     """An exception as one short line (the CLI prints errors as one line)."""
     return " ".join(str(e).split())[:300] or type(e).__name__
 
 
-def read_gguf(path: str) -> gguf.GGUFReader:
-    """Parse a GGUF file's header, metadata and tensor table. gguf-py raises whatever its
-    parsing meets on a truncated or corrupted file (IndexError, KeyError, numpy errors...):
-    all of it is one ValueError naming the file."""
+def read_gguf(path: str) -> GGUFFile:
+    """Parse a GGUF file's header, metadata and tensor table: a truncated or corrupted file is
+    one ValueError naming the file."""
     try:
-        return _BoundedReader(path)
-    except OSError:
-        raise
-    except Exception as e:  # noqa: BLE001
+        return GGUFFile(path)
+    except ValueError as e:
         raise ValueError(f"{path}: not a valid GGUF file: {_one_line(e)}") from e
 
 
-def _field(reader: gguf.GGUFReader, key: str, default: Any = _REQUIRED) -> Any:
-    field = reader.fields.get(key)
-    if field is not None:
-        try:
-            return field.contents()
-        except ValueError as e:  # a string that is not UTF-8
-            raise ValueError(f"GGUF metadata {key!r} is unreadable: {_one_line(e)}") from e
+def _field(reader: GGUFFile, key: str, default: Any = _REQUIRED) -> Any:
+    value = reader.value(key, _REQUIRED)
+    if value is not _REQUIRED:
+        return value
     if default is _REQUIRED:
         raise ValueError(f"GGUF file has no {key!r} metadata")
     return default
 
 
-def _number(reader: gguf.GGUFReader, key: str, default: Any = _REQUIRED, *,
+def _number(reader: GGUFFile, key: str, default: Any = _REQUIRED, *,
             kind: type = int, zero: bool = False) -> Any:
     """A positive (or, with zero, non-negative) number from the metadata, or default when the
     key is absent. A corrupted file can hold a string, a list, 0 or a NaN there, which would
@@ -188,7 +167,7 @@ def _number(reader: gguf.GGUFReader, key: str, default: Any = _REQUIRED, *,
     return kind(value)
 
 
-def gguf_architecture(reader: gguf.GGUFReader) -> str:
+def gguf_architecture(reader: GGUFFile) -> str:
     """The llama.cpp architecture name, checked against what the engine can run."""
     arch = _field(reader, "general.architecture", None)
     if arch not in SUPPORTED_GGUF_ARCHITECTURES:
@@ -198,7 +177,7 @@ def gguf_architecture(reader: gguf.GGUFReader) -> str:
     return arch
 
 
-def gguf_config(reader: gguf.GGUFReader) -> ModelConfig:
+def gguf_config(reader: GGUFFile) -> ModelConfig:
     """ModelConfig from `{arch}.*` metadata; llama.cpp has no dtype, so torch_dtype is None."""
     arch = gguf_architecture(reader)
     scaling = _field(reader, f"{arch}.rope.scaling.type", None)
@@ -212,7 +191,7 @@ def gguf_config(reader: gguf.GGUFReader) -> ModelConfig:
         embd = tensors.get("token_embd.weight")
         if embd is None or len(embd.shape) != 2:
             raise ValueError("GGUF file has no vocab_size metadata and no 2-D token_embd.weight")
-        vocab = int(embd.shape[-1])
+        vocab = int(embd.shape[0])
     config = ModelConfig(
         architecture=arch,
         vocab_size=vocab,
@@ -251,7 +230,7 @@ def _check_counts(config: ModelConfig, tensor_names: Iterable[str]) -> None:
                          f"for {len(blocks)} blocks")
 
 
-def check_gguf_tensors(reader: gguf.GGUFReader) -> dict[str, tuple[int, ...]]:
+def check_gguf_tensors(reader: GGUFFile) -> dict[str, tuple[int, ...]]:
     """Every tensor's name, type and bytes, checked before anything reads its data; returns
     their shapes (HF [out, in] layout, our names) for ``loader.check_shapes``.
 
@@ -269,18 +248,18 @@ def check_gguf_tensors(reader: gguf.GGUFReader) -> dict[str, tuple[int, ...]]:
     shapes: dict[str, tuple[int, ...]] = {}
     offset, before = reader.data_offset, "the tensor data starts"  # where the next must start
     for t in reader.tensors:
-        shape, kind = tuple(int(d) for d in reversed(t.shape)), t.tensor_type.name
-        if t.tensor_type not in _READABLE_TYPES:
+        shape, kind = t.shape, t.ggml_type.name
+        if t.ggml_type not in _READABLE_TYPES:
             raise ValueError(f"{t.name} has ggml type {kind}, which the loader cannot read")
-        block, block_bytes = gguf.GGML_QUANT_SIZES[t.tensor_type]
+        block, block_bytes = gguf.GGML_QUANT_SIZES[t.ggml_type]
         if shape and shape[-1] % block:
             raise ValueError(f"{t.name}: rows of {shape[-1]} values are not whole {kind} blocks "
                              f"of {block}")
-        if t.data_offset != offset:
-            raise ValueError(f"{t.name} starts at byte {t.data_offset}, but {before} at {offset}: "
+        if t.offset != offset:
+            raise ValueError(f"{t.name} starts at byte {t.offset}, but {before} at {offset}: "
                              f"a corrupted offset, or a type or shape that does not fit the data")
         n_bytes = math.prod(shape) // block * block_bytes
-        if offset + n_bytes > len(reader.data):
+        if offset + n_bytes > reader.size:
             raise ValueError(f"{t.name} ({kind} {shape}) needs {n_bytes} bytes at {offset}, past "
                              f"the end of the file")
         offset += -(-n_bytes // reader.alignment) * reader.alignment
@@ -304,42 +283,36 @@ def _unpermute_rows(rows: np.ndarray, name: str, config: ModelConfig) -> np.ndar
     return rows
 
 
-def gguf_weights(reader: gguf.GGUFReader, config: ModelConfig) -> dict[str, torch.Tensor]:
-    """All tensors dequantized to float32 in HF [out, in] layout, under our names (after
-    ``check_gguf_tensors``)."""
+def gguf_tensors(reader: GGUFFile, config: ModelConfig
+                 ) -> tuple[dict[str, torch.Tensor], dict[str, QuantizedWeight]]:
+    """Every tensor under our names (after ``check_gguf_tensors``), read from the file's map:
+    the matrices of the block types (``BLOCK_TYPES``) as stored, views of the map (llama's q/k
+    rows un-interleaved and Q5_0 rewritten as Q8_0 are copies, whose source pages are then
+    given back); the vectors, and matrices of other types, dequantized to float32 (those
+    matrices run dense: one line says which)."""
     weights: dict[str, torch.Tensor] = {}
-    for t in reader.tensors:
-        name = _rename(t.name)
-        # t.shape is innermost-first; dequantize already yields rows-first (HF layout).
-        w = gguf.quants.dequantize(t.data, t.tensor_type).reshape(tuple(int(d) for d in reversed(t.shape)))
-        w = _unpermute_rows(w, name, config)
-        # Copy: F32 tensors come back as read-only views of the memory-mapped file.
-        weights[name] = torch.from_numpy(np.array(w, dtype=np.float32))
-    return weights
-
-
-def gguf_quantized_weights(reader: gguf.GGUFReader,
-                           config: ModelConfig) -> dict[str, QuantizedWeight]:
-    """The matrices of the block types (``BLOCK_TYPES``) as stored (rows un-permuted as in
-    ``gguf_weights``; Q5_0's as Q8_0), under our names: the layers' and the output head's (the
-    embedding's, when tied). Matrices of other types run as dense weights, each on its own:
-    one line says which."""
-    out: dict[str, QuantizedWeight] = {}
+    quantized: dict[str, QuantizedWeight] = {}
     dense: list[tuple[str, int]] = []
     for t in reader.tensors:
-        name = _rename(t.name)
-        if (len(t.shape) != 2 or name is None
-                or name == "tok_embeddings.weight" and not config.tie_word_embeddings):
+        name, kind = _rename(t.name), int(t.ggml_type)
+        if len(t.shape) == 2 and kind in BLOCK_TYPES | {int(_Q.Q5_0)}:
+            blocks = reader.tensor_bytes(t).reshape(t.shape[0], -1)
+            moved = _unpermute_rows(blocks, name, config)
+            kind, moved = _kernel_blocks(kind, moved)
+            if moved is not blocks:
+                moved = np.ascontiguousarray(moved)
+                reader.release(t)
+            quantized[name] = QuantizedWeight(kind, torch.from_numpy(moved))
             continue
-        if int(t.tensor_type) not in BLOCK_TYPES | {int(_Q.Q5_0)}:
-            dense.append((name, int(t.tensor_type)))
-            continue
-        blocks = _unpermute_rows(np.asarray(t.data), name, config)
-        out[name] = QuantizedWeight.from_gguf(*_kernel_blocks(int(t.tensor_type), blocks))
+        if len(t.shape) == 2:
+            dense.append((name, kind))
+        w = gguf.quants.dequantize(reader.tensor_bytes(t), t.ggml_type).reshape(t.shape)
+        weights[name] = torch.from_numpy(np.array(_unpermute_rows(w, name, config),
+                                                  dtype=np.float32))
     if dense:
         logger.info("GGUF matrices with no block kernel for their type run as dense weights: "
                     "%s", matrices_by_type(dense))
-    return out
+    return weights, quantized
 
 
 def _kernel_blocks(ggml_type: int, blocks: np.ndarray) -> tuple[int, np.ndarray]:
@@ -376,7 +349,7 @@ def _rename(gguf_name: str) -> str | None:
     return f"layers.{m.group(1)}.{_BLOCK_NAMES[m.group(2)]}.{m.group(3)}"
 
 
-def gguf_eos_token_ids(reader: gguf.GGUFReader) -> list[int]:
+def gguf_eos_token_ids(reader: GGUFFile) -> list[int]:
     """eos plus end-of-turn ids: llama.cpp stops on both (e.g. llama3's <|eot_id|>)."""
     ids = (_number(reader, f"tokenizer.ggml.{k}_token_id", None, zero=True)
            for k in ("eos", "eot", "eom"))

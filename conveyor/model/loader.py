@@ -20,8 +20,7 @@ from conveyor.model.gguf_file import (
     check_gguf_tensors,
     gguf_config,
     gguf_eos_token_ids,
-    gguf_quantized_weights,
-    gguf_weights,
+    gguf_tensors,
     load_gguf_tokenizer,
     read_gguf,
 )
@@ -55,14 +54,26 @@ _HF_LAYER_RE = re.compile(r"model\.layers\.(\d+)\.(.+)")
 
 @dataclass
 class LoadedModel:
+    """A model's tensors under our names, each in ``weights`` (dense: float32 for a GGUF, the
+    checkpoint's dtype for a folder), in ``quantized`` (a matrix as stored: a GGUF's blocks,
+    a folder's rows for the CPU's block linears) or both (a folder's matrices, the same memory).
+    Nothing is copied that need not be: a GGUF's blocks and a folder's tensors are views of the
+    files' memory maps; ``dense`` makes a dense copy of one matrix where a path needs it."""
+
     config: ModelConfig
-    weights: dict[str, torch.Tensor]  # our names; float32 for GGUF, checkpoint dtype for safetensors
+    weights: dict[str, torch.Tensor]
     tokenizer: transformers.PreTrainedTokenizerBase  # .chat_template is set when the model has one
     eos_token_ids: list[int]  # every id that ends generation
     name: str  # short display name
     path: str
-    # the matrices as stored (GGUF blocks, or a folder's dense rows), for the CPU's linears
     quantized: dict[str, QuantizedWeight] = field(default_factory=dict)
+
+    def dense(self, name: str) -> torch.Tensor:
+        """The tensor as dense weights: ``weights``', or its blocks dequantized (float32)."""
+        return self.weights[name] if name in self.weights else self.quantized[name].dequantize()
+
+    def names(self) -> set[str]:
+        return self.weights.keys() | self.quantized.keys()
 
 
 def default_model_path() -> str:
@@ -134,8 +145,7 @@ def _load_gguf(path: str) -> LoadedModel:
     try:
         config = gguf_config(reader)
         check_shapes(check_gguf_tensors(reader), config)
-        weights = gguf_weights(reader, config)
-        quantized = gguf_quantized_weights(reader, config)
+        weights, quantized = gguf_tensors(reader, config)
         eos_token_ids = gguf_eos_token_ids(reader)
     except ValueError as e:
         raise ValueError(f"{path}: {e}") from e
@@ -185,7 +195,7 @@ def _quantize(loaded: LoadedModel, ggml_type: int) -> None:
     rounding), and its dense weights replaced by what those blocks hold, so that every path
     computes the same model."""
     for name in list(loaded.quantized):
-        rows = loaded.weights[name].float().numpy()
+        rows = loaded.weights[name].float().numpy()  # (one matrix at a time)
         blocks = gguf.quants.quantize(rows, ggml_type)
         loaded.quantized[name] = QuantizedWeight.from_gguf(ggml_type, blocks)
         loaded.weights[name] = torch.from_numpy(

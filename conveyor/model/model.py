@@ -1,7 +1,8 @@
 """The Llama-family network (Llama, Mistral, Qwen2, Qwen3) as a few plain PyTorch modules.
 
 Weights arrive under the names ``conveyor.model.loader`` gives them; q/k/v and gate/up are fused
-here, once, at load, so each layer runs two matmuls fewer.
+here, once, at load, so each layer runs two matmuls fewer (a matrix read from its GGUF blocks
+keeps its parts, each a run of output rows of the kernel's call).
 """
 
 from __future__ import annotations
@@ -15,9 +16,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from conveyor.kernels import isa
-from conveyor.kernels.bindings import AddRMSNorm, DecodeStack, QuantLinear, SiluMul, StackLayer
+from conveyor.kernels.bindings import (AddRMSNorm, DecodeStack, DequantRows, QuantLinear,
+                                       SiluMul, StackLayer)
 from conveyor.kernels.library import CPUKernels
-from conveyor.model import huge_pages
 from conveyor.model.attention import AttentionMetadata, paged_attention, write_kv
 from conveyor.model.config import ModelConfig
 from conveyor.model.gguf_file import DENSE_TYPES, QuantizedWeight, matrices_by_type
@@ -29,34 +30,29 @@ FUSED = {"attention.wqkv": ("attention.wq", "attention.wk", "attention.wv"),
          "feed_forward.w13": ("feed_forward.w1", "feed_forward.w3")}
 
 
-def _runs(parts: list[QuantizedWeight]) -> list[list[QuantizedWeight]]:
-    """A fused linear's parts, in order, grouped into runs of one block type."""
-    runs: list[list[QuantizedWeight]] = []
-    for q in parts:
-        if runs and runs[-1][-1].ggml_type == q.ggml_type:
-            runs[-1].append(q)
-        else:
-            runs.append([q])
-    return runs
-
-
 class Linear(nn.Linear):
-    """``nn.Linear`` whose weight can be reordered once into oneDNN's blocked layout.
-
-    On the CPU in bfloat16 the prepacked matmul is 1.4-2.3x faster at the row counts a step has
-    (1-64) and gives the same bits as ``F.linear`` (checked in tests/test_model_layers.py)."""
+    """``nn.Linear`` whose weight is either read from its GGUF blocks by the CPU kernel (then
+    there is no dense weight at all), or dense, and then possibly reordered once into oneDNN's
+    blocked layout: on the CPU in bfloat16 the prepacked matmul is 1.4-2.3x faster at the row
+    counts a step has (1-64) and gives the same bits as ``F.linear`` (checked in
+    tests/test_model_layers.py)."""
 
     packed: torch.Tensor | None = None
-    # The same weight in GGUF blocks, read by the CPU kernel when a step has a few rows: runs
-    # of output rows of one block type each (one, unless a fused linear's parts differ).
+    # The weight in GGUF blocks: runs of output rows (a fused linear's parts), one call each.
     quantized: tuple[QuantizedWeight, ...] | None = None
     quant_linear: QuantLinear | None = None
 
+    def reset_parameters(self) -> None:
+        """Nothing: every weight is loaded (a random init on the meta device costs seconds)."""
+
     def prepack(self) -> None:
+        """Reorder the weight for oneDNN; the dense weight is then dropped (the packed copy
+        replaces it)."""
         self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 64)
+        self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.quant_linear is not None and x.shape[0] <= self.quant_linear.max_rows:
+        if self.quant_linear is not None:
             return self.quant_linear(x, self.quantized, self.bias)
         if self.packed is None:
             return F.linear(x, self.weight, self.bias)
@@ -216,35 +212,39 @@ class TransformerBlock(nn.Module):
 
 
 class Transformer(nn.Module):
-    # bfloat16: SmolLM2's head (49152 x 576, Q8_0) read from its blocks, against the prepacked
-    # bfloat16 matmul (alternated): 0.85x the time at 1 row, 0.7-0.76x at 2-8 and 0.58x at 32
-    # rows, but 1.15-1.3x from 48 to 256, where the block kernel goes a strip at a time. In
-    # float32 the blocks take every row count (0.23x F.linear's time at 1 row, 0.9x at 1024).
-    HEAD_BLOCK_ROWS = 32
+    """Build it on the meta device (no memory), then ``load`` its weights."""
 
     def __init__(self, config: ModelConfig, head_rows: int | None = None) -> None:
         """head_rows: the output matrix's rows where not the vocabulary (a tensor-parallel
         rank's share of it)."""
         super().__init__()
         self.config = config
-        self.tok_embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.tok_embeddings = nn.Embedding(config.vocab_size, config.hidden_size, _weight=torch.empty(
+            config.vocab_size, config.hidden_size))  # (given: no random init)
         self.layers = nn.ModuleList(TransformerBlock(config) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.output = (None if config.tie_word_embeddings
                        else Linear(config.hidden_size, head_rows or config.vocab_size,
                                    bias=False))
         self.packed_head: torch.Tensor | None = None  # the tied head, when prepacked
-        # The head in GGUF blocks, read by the CPU kernel at a few rows (see HEAD_BLOCK_ROWS).
+        # The embedding table in GGUF blocks, its rows dequantized as a step looks them up;
+        # the tied head reads the same blocks.
+        self.embedding_blocks: QuantizedWeight | None = None
+        self.embedding_rows: DequantRows | None = None
         self.head_blocks: QuantizedWeight | None = None
         self.head_kernel: QuantLinear | None = None
-        self.head_block_rows = 0
         self.decode_stack: DecodeStack | None = None  # all layers in one call, at a few decodes
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.embedding_rows is not None:
+            return self.embedding_rows(self.embedding_blocks, input_ids)
+        return self.tok_embeddings(input_ids)
 
     def forward(self, input_ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                 meta: AttentionMetadata) -> torch.Tensor:
         """input_ids: [T]; cos/sin: [T, 1, head_dim] for each token's position. Returns [T, D]."""
-        h, residual = self.tok_embeddings(input_ids), None
+        h, residual = self.embed(input_ids), None
         if (self.decode_stack is not None and not meta.prefills
                 and len(input_ids) <= self.decode_stack.max_rows):
             residual = torch.empty_like(h)
@@ -257,7 +257,7 @@ class Transformer(nn.Module):
         return self.norm(h, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.head_kernel is not None and hidden.shape[0] <= self.head_block_rows:
+        if self.head_kernel is not None:
             return self.head_kernel(hidden, self.head_blocks).float()
         if self.output is not None:
             return self.output(hidden).float()
@@ -265,6 +265,76 @@ class Transformer(nn.Module):
             return torch.ops.mkldnn._linear_pointwise(hidden, self.packed_head, None, "none", [],
                                                       "").float()
         return F.linear(hidden, self.tok_embeddings.weight).float()
+
+    @torch.no_grad()
+    def load(self, weights: dict[str, torch.Tensor], quantized: dict[str, QuantizedWeight], *,
+             dtype: torch.dtype, device: torch.device, kernels: CPUKernels | None) -> None:
+        """Place the loader-named tensors (``LoadedModel``'s ``weights`` and ``quantized``) in
+        this model, built on the meta device. A matrix whose blocks the CPU kernels read (all of
+        a fused group's parts) is read from them at every row count and never made dense; the
+        embedding too, a step's rows at a time. Every other tensor is made dense in the model
+        dtype one at a time (fused groups concatenated), and in bfloat16 on the CPU prepacked
+        for oneDNN. One line names the matrices that run dense for want of a kernel."""
+        kernel = kernels.quant_linear if kernels is not None else None
+        prepack = can_prepack(device, dtype)
+        unread: list[tuple[str, int]] = []  # matrices in blocks the kernel does not read
+
+        def dense(name: str) -> torch.Tensor:
+            w = weights[name] if name in weights else quantized[name].dequantize()
+            return w.to(dtype=dtype, device=device)
+
+        def blocks(names: list[str]) -> tuple[QuantizedWeight, ...] | None:
+            """The parts' blocks as the kernel reads them, or None (then they run dense)."""
+            found = [quantized.get(name) for name in names]
+            if kernel is not None and all(q is not None and q.ggml_type in kernel.types
+                                          for q in found):
+                return tuple(kernel.in_format(q) for q in found)
+            unread.extend((n, q.ggml_type) for n, q in zip(names, found) if q is not None
+                          and q.ggml_type not in DENSE_TYPES.values())
+            return None
+
+        def place(module: Linear, prefixes: list[str]) -> None:
+            runs = blocks([p + ".weight" for p in prefixes])
+            if runs is not None:
+                module.quantized, module.quant_linear = runs, kernel
+                module.weight = nn.Parameter(torch.empty(0, dtype=dtype, device=device),
+                                             requires_grad=False)
+            else:
+                module.weight = nn.Parameter(torch.cat([dense(p + ".weight") for p in prefixes]),
+                                             requires_grad=False)
+                if prepack:
+                    module.prepack()
+            if module.bias is not None:
+                module.bias = nn.Parameter(torch.cat([dense(p + ".bias") for p in prefixes]),
+                                           requires_grad=False)
+
+        for i, layer in enumerate(self.layers):
+            for local, module in layer.named_modules():
+                if isinstance(module, Linear):
+                    place(module, [f"layers.{i}.{part}" for part in FUSED.get(local, (local,))])
+                elif isinstance(module, RMSNorm):
+                    module.weight = nn.Parameter(dense(f"layers.{i}.{local}.weight"),
+                                                 requires_grad=False)
+        self.norm.weight = nn.Parameter(dense("norm.weight"), requires_grad=False)
+        if self.output is not None:
+            place(self.output, ["output"])
+        embedding = "tok_embeddings.weight"
+        table = blocks([embedding]) if kernels is not None else None
+        if table is not None:
+            self.embedding_blocks, self.embedding_rows = table[0], kernels.dequant_rows
+            if self.output is None:
+                self.head_blocks, self.head_kernel = table[0], kernel
+            self.tok_embeddings.weight = nn.Parameter(torch.empty(0, dtype=dtype, device=device),
+                                                      requires_grad=False)
+        else:
+            self.tok_embeddings.weight = nn.Parameter(dense(embedding), requires_grad=False)
+            if self.output is None and prepack:
+                self.packed_head = torch.ops.mkldnn._reorder_linear_weight(
+                    self.tok_embeddings.weight, 64)
+        if unread:
+            logger.info("the %s block linears do not read these types; they run as dense "
+                        "weights: %s", str(dtype).removeprefix("torch."), matrices_by_type(unread))
+        assert not any(p.is_meta for p in self.parameters()), "a weight was not placed"
 
     def use_all_reduce(self, all_reduce: Callable[[torch.Tensor], None]) -> None:
         """This rank holds a tensor-parallel shard: sum the attention and feed-forward outputs
@@ -280,65 +350,10 @@ class Transformer(nn.Module):
             layer.feed_forward.silu_mul = kernels.silu_mul
         self.norm.fused = kernels.add_rms_norm
 
-    def use_quant_linear(self, kernel: QuantLinear,
-                         quantized: dict[str, QuantizedWeight]) -> None:
-        """Let every linear whose weight the GGUF stores in blocks the kernel reads (all of a
-        fused group's parts) run through the kernel, up to its ``max_rows``; the head too, up to
-        HEAD_BLOCK_ROWS. A fused group's parts of different types (llama.cpp's K-quant mixes
-        give v rows more bits) run as runs of one type each."""
-        chosen: list[tuple[Linear | None, list[list[QuantizedWeight]]]] = []
-        unread: list[tuple[str, int]] = []  # matrices of types the kernel does not read
-        for i, layer in enumerate(self.layers):
-            for local, module in layer.named_modules():
-                if not isinstance(module, Linear):
-                    continue
-                names = [f"layers.{i}.{part}.weight" for part in FUSED.get(local, (local,))]
-                found = [quantized.get(name) for name in names]
-                unread += [(name, q.ggml_type) for name, q in zip(names, found)
-                           if q is not None and q.ggml_type not in kernel.types]
-                if all(q is not None and q.ggml_type in kernel.types for q in found):
-                    chosen.append((module, _runs([kernel.in_format(q) for q in found])))
-        head_name = "tok_embeddings.weight" if self.output is None else "output.weight"
-        head = quantized.get(head_name)
-        if head is not None and head.ggml_type in kernel.types:
-            chosen.append((None, [[kernel.in_format(head)]]))  # None: the head
-        elif head is not None:
-            unread.append((head_name, head.ggml_type))
-        unread = [(name, t) for name, t in unread if t not in DENSE_TYPES.values()]
-        if unread:  # (dense weights the kernel does not read take the model's own path)
-            logger.info("the %s block linears do not read these types; they run as dense "
-                        "weights: %s", str(kernel.dtype).removeprefix("torch."),
-                        matrices_by_type(unread))
-        # All of them in one pool on huge pages: a step reads every block once (~80 MB for
-        # SmolLM2), and on them the block linears took 0.90-0.95x the time (a C harness of the
-        # model's shapes, 4 KB and huge-page copies alternated).
-        sizes = [[-(-sum(q.blocks.numel() for q in run) // 64) * 64 for run in runs]
-                 for _, runs in chosen]
-        pool = huge_pages.zeros((sum(map(sum, sizes)),), torch.uint8, torch.device("cpu"))
-        offset = 0
-        for (module, runs), run_sizes in zip(chosen, sizes):
-            placed = []
-            for run, size in zip(runs, run_sizes):
-                rows = sum(q.blocks.shape[0] for q in run)
-                blocks = pool[offset:offset + rows * run[0].blocks.shape[1]].view(rows, -1)
-                torch.cat([q.blocks for q in run], out=blocks)
-                placed.append(QuantizedWeight(run[0].ggml_type, blocks, run[0].wide))
-                offset += size
-            if module is None:
-                self.head_blocks, self.head_kernel = placed[0], kernel
-            else:
-                module.quantized, module.quant_linear = tuple(placed), kernel
-                if kernel.max_rows >= QuantLinear.F32_ROWS:  # every row reads the blocks:
-                    module.weight = nn.Parameter(module.weight.new_empty(0),  # no dense copy
-                                                 requires_grad=False)
-        self.head_block_rows = (kernel.max_rows if kernel.max_rows >= QuantLinear.F32_ROWS
-                                else min(self.HEAD_BLOCK_ROWS, kernel.max_rows))
-
     def use_decode_stack(self, kernels: CPUKernels,
                          kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Run a step of a few decodes through all layers in one kernel call, when every layer
-        is what that kernel computes (no q/k norms, every linear in GGUF blocks). Call after
-        ``use_quant_linear``."""
+        is what that kernel computes (no q/k norms, every linear in GGUF blocks)."""
         linears = [m for layer in self.layers for m in layer.modules() if isinstance(m, Linear)]
         if self.config.qk_norm or any(m.quantized is None for m in linears):
             return
@@ -351,24 +366,3 @@ class Transformer(nn.Module):
              for layer, kv_cache in zip(self.layers, kv_caches)],
             heads=c.num_heads, kv_heads=c.num_kv_heads, head_dim=c.head_dim,
             intermediate=c.intermediate_size, eps=c.rms_norm_eps)
-
-    def prepack(self) -> None:
-        """Reorder every linear weight for oneDNN (see ``Linear``); call after loading."""
-        for module in self.modules():
-            if isinstance(module, Linear):
-                module.prepack()
-        if self.output is None:
-            self.packed_head = torch.ops.mkldnn._reorder_linear_weight(
-                self.tok_embeddings.weight.detach(), 64)
-
-    @torch.no_grad()
-    def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
-        """Copy loader-named weights in (converting dtype), fusing q/k/v and gate/up."""
-        fused = dict(weights)
-        for i in range(self.config.num_layers):
-            for whole, parts in FUSED.items():
-                for kind in ("weight", "bias"):
-                    tensors = [fused.pop(f"layers.{i}.{part}.{kind}", None) for part in parts]
-                    if tensors[0] is not None:
-                        fused[f"layers.{i}.{whole}.{kind}"] = torch.cat(tensors)
-        self.load_state_dict(fused, strict=True)  # the loader has checked names and shapes

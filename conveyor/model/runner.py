@@ -17,7 +17,7 @@ from conveyor.model import huge_pages
 from conveyor.model.attention import AttentionMetadata, DecodeGroup, PrefillChunk
 from conveyor.model.config import ModelConfig
 from conveyor.model.gguf_file import QuantizedWeight
-from conveyor.model.model import Transformer, can_prepack, rope_tables
+from conveyor.model.model import Transformer, rope_tables
 from conveyor.model.sampler import GrammarMask, SampleResult, Sampler, first_max
 from conveyor.model.sharding import ffn_granule, kv_heads_per_rank, plan_shards, shard_model
 
@@ -96,18 +96,16 @@ class ModelRunner:
         self.device = device
         self.dtype = dtype
         self.block_size = block_size
-        with torch.device(device):
-            self.model = Transformer(config, head_rows).to(dtype)
-        self.model.load_weights(weights)
+        kernels = cpu_kernels(device, dtype, config.head_dim)
+        with torch.device("meta"):
+            self.model = Transformer(config, head_rows)
+        self.model.load(weights, quantized or {}, dtype=dtype, device=device, kernels=kernels)
         self.model.eval()
-        if can_prepack(device, dtype):
-            self.model.prepack()
         shape = (num_blocks, block_size, config.num_kv_heads, config.head_dim)
         self.kv_caches = [(huge_pages.zeros(shape, dtype, device),
                            huge_pages.zeros(shape, dtype, device))
                           for _ in range(config.num_layers)]
         self.cos, self.sin = rope_tables(config, max_model_len, dtype, device)
-        kernels = cpu_kernels(device, dtype, config.head_dim)
         self.kernel_path = describe(device, dtype, config.head_dim, kernels)
         self.sampler = Sampler(config.vocab_size, device, seed,
                                first_max if kernels is None else kernels.argmax_rows)
@@ -119,10 +117,8 @@ class ModelRunner:
             self.model.use_all_reduce(tensor_parallel.all_reduce)
         if kernels is not None:
             self.model.use_elementwise_kernels(kernels)
-            if kernels.quant_linear is not None and quantized:
-                self.model.use_quant_linear(kernels.quant_linear, quantized)
-                if tensor_parallel is None:  # (its one call runs every layer: no all-reduce)
-                    self.model.use_decode_stack(kernels, self.kv_caches)
+            if tensor_parallel is None:  # (its one call runs every layer: no all-reduce)
+                self.model.use_decode_stack(kernels, self.kv_caches)
 
     def _tensor(self, data: list, dtype: torch.dtype = torch.long) -> torch.Tensor:
         return torch.tensor(data, dtype=dtype, device=self.device)

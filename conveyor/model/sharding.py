@@ -108,35 +108,37 @@ def shard_model(config: ModelConfig, weights: dict[str, torch.Tensor],
             "feed_forward.w1": (0, shard.ffn), "feed_forward.w3": (0, shard.ffn),
             "feed_forward.w2": (1, shard.ffn)}
     local_weights, local_quantized, dense = {}, {}, []
-    for name, tensor in weights.items():
+    for name in weights.keys() | quantized.keys():
         parts = name.split(".")
         cut = cuts.get(".".join(parts[2:4])) if parts[0] == "layers" else None
         if cut is None:  # replicated
-            local_weights[name] = tensor
+            if name in weights:
+                local_weights[name] = weights[name]
             if name in quantized:
                 local_quantized[name] = quantized[name]
             continue
         dim, part = cut
         if parts[-1] == "bias" and dim == 1:  # a row-parallel bias is added once, on rank 0
             raise ValueError(f"{name}: a bias on a row-parallel linear is not supported")
-        local_weights[name] = tensor.narrow(dim, part.start, len(part)).contiguous()
         q = quantized.get(name)
-        if q is None:
-            continue
-        if (piece := _slice_blocks(q, dim, part)) is not None:
+        if q is not None and (piece := _slice_blocks(q, dim, part)) is not None:
             local_quantized[name] = piece
-        else:
+        elif q is not None:
             dense.append(name)
+        if name in weights or q is None or name in dense:
+            whole = weights[name] if name in weights else q.dequantize()
+            local_weights[name] = whole.narrow(dim, part.start, len(part)).contiguous()
     if dense:
         logger.info("tensor parallel: %d matrices are cut through their blocks and run dense: "
-                    "%s", len(dense), ", ".join(dense[:4]) + (" ..." if len(dense) > 4 else ""))
-    # The head, vocabulary-parallel: this rank's rows as an untied output matrix.
+                    "%s", len(dense), ", ".join(sorted(dense)[:4]) + (" ..." if len(dense) > 4
+                                                                      else ""))
+    # The head, vocabulary-parallel: this rank's rows as an untied output matrix (a tied
+    # embedding stays whole, for the lookup).
     head = "tok_embeddings.weight" if config.tie_word_embeddings else "output.weight"
-    local_weights["output.weight"] = weights[head][shard.vocab.start:shard.vocab.stop].clone()
+    if head in weights:
+        local_weights["output.weight"] = weights[head][shard.vocab.start:shard.vocab.stop].clone()
     if head in quantized:
         local_quantized["output.weight"] = _slice_blocks(quantized[head], 0, shard.vocab)
-    if config.tie_word_embeddings:
-        local_quantized.pop("tok_embeddings.weight", None)  # (the embedding reads it dense)
     local = dataclasses.replace(config, num_heads=len(shard.q_heads),
                                 num_kv_heads=len(shard.kv_heads), intermediate_size=len(shard.ffn),
                                 tie_word_embeddings=False)

@@ -1,9 +1,10 @@
-/* A linear layer read straight from llama.cpp's Q4_0, Q4_1 or Q8_0 blocks (as the loader keeps
- * them: each block's fp16 scale, and min, widened to float32 in place).
+/* A linear layer read straight from llama.cpp's blocks: Q4_0, Q4_1 and Q8_0 as the loader keeps
+ * them for these kernels (each block's fp16 scale, and min, widened to float32 in place), Q5_1
+ * and the K-quants (Q4_K, Q5_K, Q6_K) as the file stores them (blocks.h).
  *
  * At the batch sizes of a decode step a bfloat16 linear is bound by reading its weights: 2 bytes
- * a weight. These blocks hold the same weights in 0.63 (Q4_0), 0.75 (Q4_1) or 1.13 (Q8_0)
- * bytes, so reading them and dequantizing on the fly is faster. The weights are dequantized
+ * a weight. These blocks hold the same weights in 0.56 (Q4_K) to 1.13 (Q8_0) bytes, so reading
+ * them and dequantizing on the fly is faster; and no dense copy of the model is kept. The weights are dequantized
  * exactly as the loader does (float32 d * q, + m: two roundings, no fused multiply-add) and
  * rounded to bfloat16, so they are the bfloat16 model's weights bit for bit; products are summed
  * in float32 as oneDNN's bfloat16 matmul does, and only the order of that sum differs.
@@ -51,64 +52,164 @@ static inline __m512 round_bf16(__m512 v) {
     return _mm512_castsi512_ps(_mm512_and_si512(r, _mm512_set1_epi32((int)0xffff0000u)));
 }
 
-/* The float32 values the loader computes, before bfloat16 rounding. Q8_0: the 32 weights d * q,
- * elements 0-15 in *lo, 16-31 in *hi. */
-static inline void q8_0_weights(const uint8_t *b, __m512 *lo, __m512 *hi) {
-    const __m512 d = _mm512_set1_ps(f32_load(b));
-    const __m128i *q = (const __m128i *)(b + 4);
-    *lo = _mm512_mul_round_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q))), d,
-                              EXACT);
-    *hi = _mm512_mul_round_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q + 1))), d,
-                              EXACT);
+/* The bytes a block takes in these kernels' format: Q4_0, Q4_1 and Q8_0 widened, the others as
+ * stored. */
+static inline int block_bytes(int type) {
+    return type == Q8_0 ? 36 : type == Q4_1 ? 24 : type == Q4_0 ? 20 : stored_block_bytes(type);
 }
 
-/* A 4-bit block has 16 distinct weights, d * q (+ m): dequantized once into a table, each of the
- * 32 is picked by its nibble (element j is the low nibble of byte j, element j + 16 its high). */
-static inline __m512 q4_table(const uint8_t *b, int type) {
-    const int has_min = type == Q4_1;
+static inline int reads_bf16(int type) {
+    return type == Q4_0 || type == Q4_1 || type == Q8_0 || type == Q5_1 || is_k_quant(type);
+}
+
+/* Where the block holding chunk j (weights 32j .. 32j + 31) of a row starts. */
+static inline const uint8_t *chunk_at(const uint8_t *row, int type, int j) {
+    return row + (int64_t)(is_k_quant(type) ? j >> 3 : j) * block_bytes(type);
+}
+
+/* A chunk's values as the loader computes them, before bfloat16 rounding, in one of three
+ * forms: a table of 16 (4-bit types) or 32 (5-bit types) weights, d * q (+ m), which the
+ * chunk's 32 indices (bytes, in element order) pick from; or the 32 weights themselves, d * q
+ * (Q8_0, Q6_K), elements 0-15 in lo, 16-31 in hi. */
+typedef struct {
+    int kind;               /* TABLE16, TABLE32 or VALUES */
+    __m512 lo, hi;          /* the table's entries 0-15 and 16-31, or the weights */
+    __m256i index;          /* the 32 indices, a byte each */
+} Chunk;
+
+enum { TABLE16, TABLE32, VALUES };
+
+/* d * q + m for q from q0 (16 consecutive values), in two exact-mode roundings as the loader's
+ * float32 arithmetic (the product is exact for these scales; the sum rounds once). */
+static inline __m512 table_of(float q0, float d, float m) {
     const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    const __m512 q = has_min ? iota : _mm512_sub_ps(iota, _mm512_set1_ps(8.0f));
-    const __m512 table = _mm512_mul_round_ps(q, _mm512_set1_ps(f32_load(b)), EXACT);
-    return has_min ? _mm512_add_round_ps(table, _mm512_set1_ps(f32_load(b + 4)), EXACT) : table;
+    const __m512 v = _mm512_mul_round_ps(_mm512_add_ps(iota, _mm512_set1_ps(q0)),
+                                         _mm512_set1_ps(d), EXACT);
+    return m != 0.0f ? _mm512_add_round_ps(v, _mm512_set1_ps(m), EXACT) : v;
 }
 
-/* The 16 bytes of a 4-bit block's nibbles. */
-static inline __m128i q4_nibbles(const uint8_t *b, int type) {
-    return _mm_loadu_si128((const __m128i *)(b + (type == Q4_1 ? 8 : 4)));
+/* 16 bytes as their 32 nibbles in element order: element e < 16 is the low nibble of byte e,
+ * element e + 16 its high nibble (Q4_0, Q4_1, Q5_1). */
+static inline __m256i split_nibbles(__m128i q) {
+    const __m128i low = _mm_set1_epi8(15);
+    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), low), _mm_and_si128(q, low));
 }
 
-/* One block's 32 weights, rounded to bfloat16 and held in float32: elements 0-15 in *lo, 16-31
+static inline __m512 int8_to_f32(__m128i q) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)); }
+
+static inline Chunk chunk_of(const uint8_t *row, int type, int j) {
+    const uint8_t *b = chunk_at(row, type, j);
+    const int jj = j & 7;
+    const __m256i fifteen = _mm256_set1_epi8(15);
+    Chunk c;
+    switch (type) {
+    case Q8_0: {
+        const __m512 d = _mm512_set1_ps(f32_load(b));
+        c.kind = VALUES;
+        c.lo = _mm512_mul_round_ps(int8_to_f32(_mm_loadu_si128((const __m128i *)(b + 4))), d, EXACT);
+        c.hi = _mm512_mul_round_ps(int8_to_f32(_mm_loadu_si128((const __m128i *)(b + 20))), d,
+                                   EXACT);
+        return c;
+    }
+    case Q6_K: {
+        /* each half of 128: chunks t = 0..3 take the low (t < 2) or high nibbles of 32 bytes of
+         * ql, and 2 bits of 32 bytes of qh; q - 32 times d * sc, a scale per 16 weights */
+        const int h = jj >> 2, t = jj & 3;
+        const __m256i ql = _mm256_loadu_si256((const __m256i *)(b + 64 * h + 32 * (t & 1)));
+        const __m256i qh = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * h));
+        const __m256i low = _mm256_and_si256(_mm256_srli_epi16(ql, 4 * (t >> 1)), fifteen);
+        const __m256i high = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * t), _mm256_set1_epi8(3));
+        const __m256i q = _mm256_sub_epi8(_mm256_or_si256(low, _mm256_slli_epi16(high, 4)),
+                                          _mm256_set1_epi8(32));
+        const float dd = half_load(b + 208);
+        c.kind = VALUES;
+        c.lo = _mm512_mul_round_ps(int8_to_f32(_mm256_castsi256_si128(q)),
+                                   _mm512_set1_ps(dd * (float)(int8_t)b[192 + 2 * jj]), EXACT);
+        c.hi = _mm512_mul_round_ps(int8_to_f32(_mm256_extracti128_si256(q, 1)),
+                                   _mm512_set1_ps(dd * (float)(int8_t)b[193 + 2 * jj]), EXACT);
+        return c;
+    }
+    case Q4_0: case Q4_1:
+        c.kind = TABLE16;
+        c.lo = table_of(type == Q4_0 ? -8.0f : 0.0f, f32_load(b), type == Q4_1 ? f32_load(b + 4) : 0);
+        c.index = split_nibbles(_mm_loadu_si128((const __m128i *)(b + (type == Q4_1 ? 8 : 4))));
+        return c;
+    case Q5_1: {
+        uint32_t qh;
+        memcpy(&qh, b + 4, 4);
+        const float d = half_load(b), m = half_load(b + 2);
+        c.kind = TABLE32;
+        c.lo = table_of(0.0f, d, m);
+        c.hi = table_of(16.0f, d, m);
+        c.index = _mm256_or_si256(split_nibbles(_mm_loadu_si128((const __m128i *)(b + 8))),
+                                  _mm256_and_si256(_mm256_movm_epi8(qh), _mm256_set1_epi8(16)));
+        return c;
+    }
+    default: {  /* Q4_K, Q5_K: chunks 2g, 2g + 1 are the low and high nibbles of 32 bytes */
+        float d[2], m;
+        chunk_scales(row, type, j, d, &m);
+        const __m256i qs = _mm256_loadu_si256(
+            (const __m256i *)(b + (type == Q4_K ? 16 : 48) + 32 * (jj >> 1)));
+        c.index = _mm256_and_si256(_mm256_srli_epi16(qs, 4 * (jj & 1)), fifteen);
+        c.lo = table_of(0.0f, d[0], m);
+        c.kind = TABLE16;
+        if (type == Q5_K) {  /* the fifth bit of element e: bit jj of byte e of qh */
+            const __mmask32 fifth = _mm256_test_epi8_mask(
+                _mm256_loadu_si256((const __m256i *)(b + 16)), _mm256_set1_epi8((char)(1 << jj)));
+            c.index = _mm256_or_si256(c.index, _mm256_maskz_set1_epi8(fifth, 16));
+            c.hi = table_of(16.0f, d[0], m);
+            c.kind = TABLE32;
+        }
+        return c;
+    }
+    }
+}
+
+/* A chunk's 32 weights, rounded to bfloat16 and held in float32: elements 0-15 in *lo, 16-31
  * in *hi. (Float32 multiply-adds run 2x the multiply-accumulates of AVX-512 BF16 dot products
  * on this hardware, so the weights are widened rather than the activations narrowed.) */
-static inline void dequant_block(const uint8_t *b, int type, __m512 *lo, __m512 *hi) {
-    if (type == Q8_0) {
-        q8_0_weights(b, lo, hi);
-        *lo = round_bf16(*lo);
-        *hi = round_bf16(*hi);
+static inline void dequant_chunk(const uint8_t *row, int type, int j, __m512 *lo, __m512 *hi) {
+    const Chunk c = chunk_of(row, type, j);
+    if (c.kind == VALUES) {
+        *lo = round_bf16(c.lo);
+        *hi = round_bf16(c.hi);
         return;
     }
-    const __m512 table = round_bf16(q4_table(b, type));
-    const __m512i bytes = _mm512_cvtepu8_epi32(q4_nibbles(b, type));
-    *lo = _mm512_permutexvar_ps(bytes, table);  /* vpermps uses the index's low 4 bits only */
-    *hi = _mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), table);
+    const __m512i first = _mm512_cvtepu8_epi32(_mm256_castsi256_si128(c.index));
+    const __m512i second = _mm512_cvtepu8_epi32(_mm256_extracti128_si256(c.index, 1));
+    const __m512 t0 = round_bf16(c.lo);
+    if (c.kind == TABLE16) {  /* vpermps reads the index's low 4 bits only */
+        *lo = _mm512_permutexvar_ps(first, t0);
+        *hi = _mm512_permutexvar_ps(second, t0);
+    } else {
+        const __m512 t1 = round_bf16(c.hi);
+        *lo = _mm512_permutex2var_ps(t0, first, t1);
+        *hi = _mm512_permutex2var_ps(t0, second, t1);
+    }
 }
 
-static inline int block_bytes(int type) {
-    return type == Q8_0 ? 36 : type == Q4_1 ? 24 : 20;
+/* A chunk's 32 weights in bfloat16, in order. A 16-entry table is written twice over 32 words,
+ * so that vpermw, which reads 5 bits of each index, picks the right one by the nibble whatever
+ * the bit above it. */
+static inline __m512i dequant_chunk_bf16(const uint8_t *row, int type, int j) {
+    const Chunk c = chunk_of(row, type, j);
+    if (c.kind == VALUES) return (__m512i)_mm512_cvtne2ps_pbh(c.hi, c.lo);
+    const __m512i table = (__m512i)_mm512_cvtne2ps_pbh(c.kind == TABLE16 ? c.lo : c.hi, c.lo);
+    return _mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(c.index), table);
 }
 
 /* y[r, n] = sum_k x[r, k] w[n, k] for r < R, output rows [n0, n1); x here is float32, [R, k]. */
 static inline __attribute__((always_inline)) void rows_times_blocks(
         int R, const float *x, int k, const uint8_t *w, int64_t row_bytes, int type,
         const uint16_t *bias, uint16_t *y, int64_t y_stride, int n0, int n1) {
-    const int bb = block_bytes(type), blocks = k / 32;
+    const int blocks = k / 32;
     for (int n = n0; n < n1; n++) {
         const uint8_t *row = w + (int64_t)n * row_bytes;
         __m512 acc[MAX_ROWS][2];
         for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
         for (int j = 0; j < blocks; j++) {
             __m512 lo, hi;
-            dequant_block(row + (int64_t)j * bb, type, &lo, &hi);
+            dequant_chunk(row, type, j, &lo, &hi);
             for (int r = 0; r < R; r++) {
                 const float *xr = x + (int64_t)r * k + 32 * j;
                 acc[r][0] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(xr), acc[r][0]);
@@ -213,23 +314,6 @@ static void store_tile(const float *c, const uint16_t *bias, uint16_t *y, int64_
     }
 }
 
-/* One block's 32 weights in bfloat16, in order. A 4-bit block's 16 values are rounded as in
- * dequant_block and written twice over 32 words, so that vpermw, which reads 5 bits of each
- * index, picks the right one by the nibble whatever the bit above it. */
-static inline __m512i dequant_block_bf16(const uint8_t *b, int type) {
-    if (type == Q8_0) {
-        __m512 lo, hi;
-        q8_0_weights(b, &lo, &hi);
-        return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
-    }
-    const __m512 table = q4_table(b, type);
-    const __m512i twice = (__m512i)_mm512_cvtne2ps_pbh(table, table);
-    /* words 0-15: bytes j (low nibble: element j); words 16-31: bytes j >> 4 (element j + 16) */
-    const __m512i shift = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1);
-    const __m512i bytes = _mm512_cvtepu8_epi16(_mm256_broadcastsi128_si256(q4_nibbles(b, type)));
-    return _mm512_permutexvar_epi16(_mm512_srlv_epi16(bytes, shift), twice);
-}
-
 /* Result tiles 0-3 (see quant_matmul_amx) stored; 1 and 3 when `both` m tiles exist. */
 static void store_results(float *c, const uint16_t *bias, uint16_t *y, int64_t y_stride,
                           int m0, int rows, int n0, int n, int both) {
@@ -259,10 +343,10 @@ static inline void strip_start(StripCursor *c, const uint8_t *w, int64_t row_byt
 
 /* Up to `count` more blocks; rows past n are zero. */
 static inline void strip_advance(StripCursor *c, int count, int type, int64_t row_bytes, int k) {
-    const int bb = block_bytes(type), blocks = k / 32;
+    const int blocks = k / 32;
     for (; count > 0 && c->r < 32; count--) {
         _mm512_store_si512(c->out + 32 * c->j, c->r < c->rows
-                           ? dequant_block_bf16(c->row + (int64_t)c->j * bb, type)
+                           ? dequant_chunk_bf16(c->row, type, c->j)
                            : _mm512_setzero_si512());
         if (++c->j == blocks) {
             c->j = 0;
@@ -277,10 +361,9 @@ static inline void strip_advance(StripCursor *c, int count, int type, int64_t ro
  * past the `have` rows that exist. */
 static inline void dequant_column(uint16_t *slot, const uint8_t *strip, int64_t row_bytes, int j,
                                   int r0, int r1, int have, int type) {
-    const int bb = block_bytes(type);
     for (int r = r0; r < r1; r++)
         _mm512_store_si512(slot + 32 * r, r < have
-                           ? dequant_block_bf16(strip + r * row_bytes + j * bb, type)
+                           ? dequant_chunk_bf16(strip + r * row_bytes, type, j)
                            : _mm512_setzero_si512());
 }
 
@@ -430,8 +513,7 @@ int has_amx(void) {
 int quant_linear_bf16(const uint16_t *x, int64_t x_stride, const uint8_t *w, int64_t row_bytes,
                       int type, const uint16_t *bias, uint16_t *y, int64_t y_stride, int rows,
                       int n, int k, int threads) {
-    if ((type != Q4_0 && type != Q4_1 && type != Q8_0) || k % 32 != 0 || rows < 1)
-        return -1;
+    if (!reads_bf16(type) || k % values_per_block(type) != 0 || rows < 1) return -1;
 #if AMX_BUILT
     if (rows > FMA_FIRST_ROWS && rows <= AMX_FEW_ROWS && has_amx())
         return quant_matmul_amx_few(x, x_stride, w, row_bytes, type, bias, y, y_stride, rows, n, k,
@@ -452,5 +534,19 @@ int quant_linear_bf16(const uint16_t *x, int64_t x_stride, const uint8_t *w, int
         switch (rows) { CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8) }
     }
     free(xf);
+    return 0;
+}
+
+/* out[r] = row ids[r] of w (n rows of k weights, in this file's block format) in bfloat16: the
+ * bfloat16 model's weights (the embedding's rows a step looks up; the rows of a matrix the
+ * FMA kernel multiplies densely past MAX_ROWS). Returns -1 for a type it does not read. */
+int dequant_rows_bf16(const uint8_t *w, int64_t row_bytes, int type, const int64_t *ids, int n,
+                      int k, uint16_t *out, int64_t out_stride, int threads) {
+    if (!reads_bf16(type) || k % values_per_block(type) != 0) return -1;
+    #pragma omp parallel for schedule(static) num_threads(threads) if (n >= 2 * threads)
+    for (int r = 0; r < n; r++)
+        for (int j = 0; j < k / 32; j++)
+            _mm512_storeu_si512(out + r * out_stride + 32 * j,
+                                dequant_chunk_bf16(w + ids[r] * row_bytes, type, j));
     return 0;
 }
