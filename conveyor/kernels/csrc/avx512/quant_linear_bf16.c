@@ -4,16 +4,16 @@
  *
  * At the batch sizes of a decode step a bfloat16 linear is bound by reading its weights: 2 bytes
  * a weight. These blocks hold the same weights in 0.56 (Q4_K) to 1.13 (Q8_0) bytes, so reading
- * them and dequantizing on the fly is faster; and no dense copy of the model is kept. The weights are dequantized
- * exactly as the loader does (float32 d * q, + m: two roundings, no fused multiply-add) and
- * rounded to bfloat16, so they are the bfloat16 model's weights bit for bit; products are summed
- * in float32 as oneDNN's bfloat16 matmul does, and only the order of that sum differs.
+ * them and dequantizing on the fly is faster; and no dense copy of the model is kept.
  *
  * Two ways to multiply: with AMX tiles (Sapphire Rapids on) past FMA_FIRST_ROWS rows, where the
- * dequantizing costs the same at 5 rows as at 64; otherwise with AVX-512 FMAs for up to 8 rows,
- * where each row costs two FMAs a block and, without AMX, past a few rows the prepacked bfloat16
- * matmul wins (the caller picks by row count: QuantLinear.max_rows). The avx512 and amx
- * tiers only: float32 models use quant_linear_f32.c.
+ * weights are dequantized exactly as the loader does (float32 d * q, + m: two roundings) and
+ * rounded to bfloat16, the bfloat16 model's weights bit for bit, and products are summed in
+ * float32 as oneDNN's bfloat16 matmul does; otherwise with AVX-512 FMAs for up to 8 rows, the
+ * block scales factored out of float32 sums of the activations times the quantized values (a
+ * one-hot row still reads the loader's weight, rounded to bfloat16 once). The caller takes more
+ * rows than these in pieces (QuantLinear). The avx512 and amx tiers only: float32 models use
+ * quant_linear_f32.c.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -43,15 +43,6 @@ static inline float f32_load(const uint8_t *p) {
     return f;
 }
 
-/* 16 finite float32 to bfloat16 (round to nearest even), widened back to float32: in integer
- * ops, which here take about half the time of vcvtneps2bf16 and the widening after it. */
-static inline __m512 round_bf16(__m512 v) {
-    const __m512i u = _mm512_castps_si512(v);
-    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    const __m512i r = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), odd);
-    return _mm512_castsi512_ps(_mm512_and_si512(r, _mm512_set1_epi32((int)0xffff0000u)));
-}
-
 /* The bytes a block takes in these kernels' format: Q4_0, Q4_1 and Q8_0 widened, the others as
  * stored. */
 static inline int block_bytes(int type) {
@@ -62,164 +53,194 @@ static inline int reads_bf16(int type) {
     return type == Q4_0 || type == Q4_1 || type == Q8_0 || type == Q5_1 || is_k_quant(type);
 }
 
-/* Where the block holding chunk j (weights 32j .. 32j + 31) of a row starts. */
-static inline const uint8_t *chunk_at(const uint8_t *row, int type, int j) {
-    return row + (int64_t)(is_k_quant(type) ? j >> 3 : j) * block_bytes(type);
-}
+/* ---- A chunk of 32 weights: its quantized values and its block's factors. ---- */
 
-/* A chunk's values as the loader computes them, before bfloat16 rounding, in one of three
- * forms: a table of 16 (4-bit types) or 32 (5-bit types) weights, d * q (+ m), which the
- * chunk's 32 indices (bytes, in element order) pick from; or the 32 weights themselves, d * q
- * (Q8_0, Q6_K), elements 0-15 in lo, 16-31 in hi. */
-typedef struct {
-    int kind;               /* TABLE16, TABLE32 or VALUES */
-    __m512 lo, hi;          /* the table's entries 0-15 and 16-31, or the weights */
-    __m256i index;          /* the 32 indices, a byte each */
-} Chunk;
-
-enum { TABLE16, TABLE32, VALUES };
-
-/* d * q + m for q from q0 (16 consecutive values), in two exact-mode roundings as the loader's
- * float32 arithmetic (the product is exact for these scales; the sum rounds once). */
-static inline __m512 table_of(float q0, float d, float m) {
-    const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    const __m512 v = _mm512_mul_round_ps(_mm512_add_ps(iota, _mm512_set1_ps(q0)),
-                                         _mm512_set1_ps(d), EXACT);
-    return m != 0.0f ? _mm512_add_round_ps(v, _mm512_set1_ps(m), EXACT) : v;
-}
-
-/* 16 bytes as their 32 nibbles in element order: element e < 16 is the low nibble of byte e,
- * element e + 16 its high nibble (Q4_0, Q4_1, Q5_1). */
-static inline __m256i split_nibbles(__m128i q) {
-    const __m128i low = _mm_set1_epi8(15);
-    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), low), _mm_and_si128(q, low));
-}
-
-static inline __m512 int8_to_f32(__m128i q) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)); }
-
-static inline Chunk chunk_of(const uint8_t *row, int type, int j) {
-    const uint8_t *b = chunk_at(row, type, j);
-    const int jj = j & 7;
-    const __m256i fifteen = _mm256_set1_epi8(15);
-    Chunk c;
-    switch (type) {
-    case Q8_0: {
-        const __m512 d = _mm512_set1_ps(f32_load(b));
-        c.kind = VALUES;
-        c.lo = _mm512_mul_round_ps(int8_to_f32(_mm_loadu_si128((const __m128i *)(b + 4))), d, EXACT);
-        c.hi = _mm512_mul_round_ps(int8_to_f32(_mm_loadu_si128((const __m128i *)(b + 20))), d,
-                                   EXACT);
-        return c;
+/* Chunk jj (of its block: 0 but in the K-quants) of block b: the 32 quantized values as they
+ * are stored, unsigned (Q8_0's signed), a byte each, elements 0-15 in *q0, 16-31 in *q1. */
+static ALWAYS_INLINE void chunk_bytes(const uint8_t *b, int type, int jj, __m128i *q0,
+                                      __m128i *q1) {
+    const __m128i fifteen = _mm_set1_epi8(15);
+    __m256i q;
+    if (type == Q8_0) {
+        *q0 = _mm_loadu_si128((const __m128i *)(b + 4));
+        *q1 = _mm_loadu_si128((const __m128i *)(b + 20));
+        return;
     }
-    case Q6_K: {
-        /* each half of 128: chunks t = 0..3 take the low (t < 2) or high nibbles of 32 bytes of
-         * ql, and 2 bits of 32 bytes of qh; q - 32 times d * sc, a scale per 16 weights */
+    if (type == Q6_K) {  /* each half of 128: chunks t = 0..3 take the low (t < 2) or high
+                          * nibbles of 32 bytes of ql, and 2 bits of 32 bytes of qh */
         const int h = jj >> 2, t = jj & 3;
         const __m256i ql = _mm256_loadu_si256((const __m256i *)(b + 64 * h + 32 * (t & 1)));
         const __m256i qh = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * h));
-        const __m256i low = _mm256_and_si256(_mm256_srli_epi16(ql, 4 * (t >> 1)), fifteen);
-        const __m256i high = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * t), _mm256_set1_epi8(3));
-        const __m256i q = _mm256_sub_epi8(_mm256_or_si256(low, _mm256_slli_epi16(high, 4)),
-                                          _mm256_set1_epi8(32));
-        const float dd = half_load(b + 208);
-        c.kind = VALUES;
-        c.lo = _mm512_mul_round_ps(int8_to_f32(_mm256_castsi256_si128(q)),
-                                   _mm512_set1_ps(dd * (float)(int8_t)b[192 + 2 * jj]), EXACT);
-        c.hi = _mm512_mul_round_ps(int8_to_f32(_mm256_extracti128_si256(q, 1)),
-                                   _mm512_set1_ps(dd * (float)(int8_t)b[193 + 2 * jj]), EXACT);
-        return c;
-    }
-    case Q4_0: case Q4_1:
-        c.kind = TABLE16;
-        c.lo = table_of(type == Q4_0 ? -8.0f : 0.0f, f32_load(b), type == Q4_1 ? f32_load(b + 4) : 0);
-        c.index = split_nibbles(_mm_loadu_si128((const __m128i *)(b + (type == Q4_1 ? 8 : 4))));
-        return c;
-    case Q5_1: {
-        uint32_t qh;
-        memcpy(&qh, b + 4, 4);
-        const float d = half_load(b), m = half_load(b + 2);
-        c.kind = TABLE32;
-        c.lo = table_of(0.0f, d, m);
-        c.hi = table_of(16.0f, d, m);
-        c.index = _mm256_or_si256(split_nibbles(_mm_loadu_si128((const __m128i *)(b + 8))),
-                                  _mm256_and_si256(_mm256_movm_epi8(qh), _mm256_set1_epi8(16)));
-        return c;
-    }
-    default: {  /* Q4_K, Q5_K: chunks 2g, 2g + 1 are the low and high nibbles of 32 bytes */
-        float d[2], m;
-        chunk_scales(row, type, j, d, &m);
+        q = _mm256_or_si256(
+            _mm256_and_si256(_mm256_srli_epi16(ql, 4 * (t >> 1)), _mm256_set1_epi8(15)),
+            _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * t),
+                                               _mm256_set1_epi8(3)), 4));
+    } else if (type == Q4_K || type == Q5_K) {  /* chunks 2g, 2g + 1: the low and high nibbles
+                                                 * of 32 bytes; Q5_K's fifth bit of element e
+                                                 * is bit jj of byte e of qh */
         const __m256i qs = _mm256_loadu_si256(
             (const __m256i *)(b + (type == Q4_K ? 16 : 48) + 32 * (jj >> 1)));
-        c.index = _mm256_and_si256(_mm256_srli_epi16(qs, 4 * (jj & 1)), fifteen);
-        c.lo = table_of(0.0f, d[0], m);
-        c.kind = TABLE16;
-        if (type == Q5_K) {  /* the fifth bit of element e: bit jj of byte e of qh */
-            const __mmask32 fifth = _mm256_test_epi8_mask(
-                _mm256_loadu_si256((const __m256i *)(b + 16)), _mm256_set1_epi8((char)(1 << jj)));
-            c.index = _mm256_or_si256(c.index, _mm256_maskz_set1_epi8(fifth, 16));
-            c.hi = table_of(16.0f, d[0], m);
-            c.kind = TABLE32;
+        q = _mm256_and_si256(_mm256_srli_epi16(qs, 4 * (jj & 1)), _mm256_set1_epi8(15));
+        if (type == Q5_K)
+            q = _mm256_or_si256(q, _mm256_maskz_set1_epi8(_mm256_test_epi8_mask(
+                _mm256_loadu_si256((const __m256i *)(b + 16)), _mm256_set1_epi8((char)(1 << jj))),
+                16));
+    } else {  /* Q4_0, Q4_1, Q5_1: element e < 16 the low nibble of byte e, e + 16 its high;
+               * Q5_1's fifth bit of element e is bit e of qh */
+        const __m128i qs = _mm_loadu_si128((const __m128i *)(b + (type == Q4_0 ? 4 : 8)));
+        *q0 = _mm_and_si128(qs, fifteen);
+        *q1 = _mm_and_si128(_mm_srli_epi16(qs, 4), fifteen);
+        if (type == Q5_1) {
+            uint32_t qh;
+            memcpy(&qh, b + 4, 4);
+            *q0 = _mm_or_si128(*q0, _mm_maskz_set1_epi8((__mmask16)qh, 16));
+            *q1 = _mm_or_si128(*q1, _mm_maskz_set1_epi8((__mmask16)(qh >> 16), 16));
         }
-        return c;
-    }
-    }
-}
-
-/* A chunk's 32 weights, rounded to bfloat16 and held in float32: elements 0-15 in *lo, 16-31
- * in *hi. (Float32 multiply-adds run 2x the multiply-accumulates of AVX-512 BF16 dot products
- * on this hardware, so the weights are widened rather than the activations narrowed.) */
-static inline void dequant_chunk(const uint8_t *row, int type, int j, __m512 *lo, __m512 *hi) {
-    const Chunk c = chunk_of(row, type, j);
-    if (c.kind == VALUES) {
-        *lo = round_bf16(c.lo);
-        *hi = round_bf16(c.hi);
         return;
     }
-    const __m512i first = _mm512_cvtepu8_epi32(_mm256_castsi256_si128(c.index));
-    const __m512i second = _mm512_cvtepu8_epi32(_mm256_extracti128_si256(c.index, 1));
-    const __m512 t0 = round_bf16(c.lo);
-    if (c.kind == TABLE16) {  /* vpermps reads the index's low 4 bits only */
-        *lo = _mm512_permutexvar_ps(first, t0);
-        *hi = _mm512_permutexvar_ps(second, t0);
-    } else {
-        const __m512 t1 = round_bf16(c.hi);
-        *lo = _mm512_permutex2var_ps(t0, first, t1);
-        *hi = _mm512_permutex2var_ps(t0, second, t1);
+    *q0 = _mm256_castsi256_si128(q);
+    *q1 = _mm256_extracti128_si256(q, 1);
+}
+
+/* What the loader subtracts from a stored value: w = d * (q - offset) (+ m). */
+static inline int offset_of(int type) { return type == Q4_0 ? 8 : type == Q6_K ? 32 : 0; }
+
+/* 16 bytes (offset applied) as float32, exactly. */
+static ALWAYS_INLINE __m512 bytes_to_f32(__m128i q, int type) {
+    const __m128i v = _mm_sub_epi8(q, _mm_set1_epi8((char)offset_of(type)));
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(v));
+}
+
+/* The factors of block b's chunks, as chunk_scales (blocks.h) has them: d[c][h] scales chunk c's
+ * half h, m[c] is added to each of its weights (0 where the type has no min). One chunk, or a
+ * K-quant super-block's eight. */
+static ALWAYS_INLINE void block_factors(const uint8_t *b, int type, float d[8][2], float m[8]) {
+    if (type == Q6_K) {
+        const float dd = half_load(b + 208);
+        for (int c = 0; c < 8; c++) {
+            d[c][0] = dd * (float)(int8_t)b[192 + 2 * c];
+            d[c][1] = dd * (float)(int8_t)b[193 + 2 * c];
+            m[c] = 0.0f;
+        }
+    } else if (type == Q4_K || type == Q5_K) {
+        uint32_t u[4];
+        k_scales_mins(b, u);
+        const float dd = half_load(b), dmin = half_load(b + 2);
+        for (int c = 0; c < 8; c++) {
+            d[c][0] = d[c][1] = dd * (float)((const uint8_t *)u)[c];
+            m[c] = -(dmin * (float)((const uint8_t *)u)[8 + c]);
+        }
+    } else if (type == Q5_1) {
+        d[0][0] = d[0][1] = half_load(b);
+        m[0] = half_load(b + 2);
+    } else {  /* widened: float32 d (and m) */
+        d[0][0] = d[0][1] = f32_load(b);
+        m[0] = type == Q4_1 ? f32_load(b + 4) : 0.0f;
     }
 }
 
-/* A chunk's 32 weights in bfloat16, in order. A 16-entry table is written twice over 32 words,
- * so that vpermw, which reads 5 bits of each index, picks the right one by the nibble whatever
- * the bit above it. */
-static inline __m512i dequant_chunk_bf16(const uint8_t *row, int type, int j) {
-    const Chunk c = chunk_of(row, type, j);
-    if (c.kind == VALUES) return (__m512i)_mm512_cvtne2ps_pbh(c.hi, c.lo);
-    const __m512i table = (__m512i)_mm512_cvtne2ps_pbh(c.kind == TABLE16 ? c.lo : c.hi, c.lo);
-    return _mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(c.index), table);
+/* A row's current block and its factors, while its chunks are dequantized in order: a K-quant
+ * super-block's eight chunks share one unpacking of their 6-bit scales. */
+typedef struct {
+    const uint8_t *block;
+    float d[8][2], m[8];
+} Factors;
+
+/* d * (q - offset) + m for the 16 values q from q0, in two exact-mode roundings as the loader's
+ * float32 arithmetic (the product is exact for these scales; the sum rounds once). */
+static inline __m512 table_of(float q0, float d, float m, int type) {
+    const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512 q = _mm512_add_ps(iota, _mm512_set1_ps(q0 - (float)offset_of(type)));
+    const __m512 v = _mm512_mul_round_ps(q, _mm512_set1_ps(d), EXACT);
+    return m != 0.0f ? _mm512_add_round_ps(v, _mm512_set1_ps(m), EXACT) : v;
 }
 
-/* y[r, n] = sum_k x[r, k] w[n, k] for r < R, output rows [n0, n1); x here is float32, [R, k]. */
-static inline __attribute__((always_inline)) void rows_times_blocks(
-        int R, const float *x, int k, const uint8_t *w, int64_t row_bytes, int type,
-        const uint16_t *bias, uint16_t *y, int64_t y_stride, int n0, int n1) {
-    const int blocks = k / 32;
+/* Chunk j of a row's 32 weights in bfloat16, in order: the loader's float32 weights, rounded.
+ * The 4- and 5-bit types build the 16 or 32 weights their values can take and pick from them
+ * (vpermw; a table of 16 written twice over 32 words, as vpermw reads 5 bits of each index);
+ * Q8_0 and Q6_K scale each value. */
+static inline __m512i dequant_chunk_bf16(const uint8_t *row, int type, int j, Factors *f) {
+    const int per = is_k_quant(type) ? 8 : 1, c = j % per;
+    const uint8_t *b = row + (int64_t)(j / per) * block_bytes(type);
+    if (f->block != b) {
+        block_factors(b, type, f->d, f->m);
+        f->block = b;
+    }
+    __m128i q0, q1;
+    chunk_bytes(b, type, c, &q0, &q1);
+    if (type == Q8_0 || type == Q6_K)
+        return (__m512i)_mm512_cvtne2ps_pbh(
+            _mm512_mul_round_ps(bytes_to_f32(q1, type), _mm512_set1_ps(f->d[c][1]), EXACT),
+            _mm512_mul_round_ps(bytes_to_f32(q0, type), _mm512_set1_ps(f->d[c][0]), EXACT));
+    const __m512 lo = table_of(0.0f, f->d[c][0], f->m[c], type);
+    const __m512 hi = type == Q5_1 || type == Q5_K ? table_of(16.0f, f->d[c][0], f->m[c], type)
+                                                   : lo;
+    const __m512i index = _mm512_cvtepu8_epi16(_mm256_set_m128i(q1, q0));
+    return _mm512_permutexvar_epi16(index, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+}
+
+/* ---- A few rows, AVX-512 FMAs: each output row's chunks multiplied in registers, the scales
+ * factored out of the sums (as quant_linear_f32.c's few-rows path). ----
+ * y = sum over chunks c of d_c * (x_c . q_c) (+ m_c * sum(x_c)): the quantized values are
+ * converted to float32 (exact) and never scaled one by one, half the vector work of
+ * dequantizing each weight, which is what bounds a decode's few rows. A one-hot row still reads
+ * a weight as the loader has it (d * q, then + m: two roundings), rounded to bfloat16 once. */
+
+/* y[r, n] = sum_k x[r, k] w[n, k] (+ bias) for r < R, output rows [n0, n1). x: float32 [R, k];
+ * xsum: for types with a min, each row's chunks of x folded to 16 lanes ([R][chunks][16]).
+ * One or two rows keep two chains of each sum (alternate chunks), so the FMA latency does not
+ * bound them. */
+static ALWAYS_INLINE void rows_times_blocks(int R, const float *x, int k, const float *xsum,
+                                            const uint8_t *w, int64_t row_bytes, int type,
+                                            const uint16_t *bias, uint16_t *y, int64_t y_stride,
+                                            int n0, int n1) {
+    const int chunks = k / 32, per = is_k_quant(type) ? 8 : 1, chains = R <= 2 ? 2 : 1;
+    const int bb = block_bytes(type);
     for (int n = n0; n < n1; n++) {
         const uint8_t *row = w + (int64_t)n * row_bytes;
-        __m512 acc[MAX_ROWS][2];
-        for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
-        for (int j = 0; j < blocks; j++) {
-            __m512 lo, hi;
-            dequant_chunk(row, type, j, &lo, &hi);
-            for (int r = 0; r < R; r++) {
-                const float *xr = x + (int64_t)r * k + 32 * j;
-                acc[r][0] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(xr), acc[r][0]);
-                acc[r][1] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xr + 16), acc[r][1]);
+        __m512 acc[MAX_ROWS][2], macc[MAX_ROWS][2];
+        for (int r = 0; r < R; r++)
+            for (int h = 0; h < chains; h++) acc[r][h] = macc[r][h] = _mm512_setzero_ps();
+        for (int j0 = 0; j0 < chunks; j0 += per) {
+            const uint8_t *b = row + (int64_t)(j0 / per) * bb;
+            float d[8][2], m[8];
+            block_factors(b, type, d, m);
+            _mm_prefetch((const char *)b + 4 * row_bytes, _MM_HINT_T0);
+            #pragma GCC unroll 8
+            for (int c = 0; c < per; c++) {
+                const int j = j0 + c, h = chains == 2 ? j & 1 : 0;
+                __m128i q0, q1;
+                chunk_bytes(b, type, c, &q0, &q1);
+                const __m512 lo = bytes_to_f32(q0, type), hi = bytes_to_f32(q1, type);
+                const __m512 d0 = _mm512_set1_ps(d[c][0]), d1 = _mm512_set1_ps(d[c][1]);
+                for (int r = 0; r < R; r++) {
+                    const float *xr = x + (int64_t)r * k + 32 * j;
+                    if (type == Q6_K) {  /* its halves have scales of their own */
+                        acc[r][h] = _mm512_fmadd_ps(d0, _mm512_mul_ps(lo, _mm512_loadu_ps(xr)),
+                                                    acc[r][h]);
+                        acc[r][h] = _mm512_fmadd_ps(d1, _mm512_mul_ps(hi,
+                                                    _mm512_loadu_ps(xr + 16)), acc[r][h]);
+                    } else {
+                        const __m512 s = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xr + 16),
+                                                         _mm512_mul_ps(lo, _mm512_loadu_ps(xr)));
+                        acc[r][h] = _mm512_fmadd_ps(d0, s, acc[r][h]);
+                    }
+                    if (has_min(type))
+                        macc[r][h] = _mm512_fmadd_ps(_mm512_set1_ps(m[c]), _mm512_loadu_ps(
+                            xsum + ((int64_t)r * chunks + j) * 16), macc[r][h]);
+                }
             }
         }
-        const float b = bias != NULL ? bf16_load(bias[n]) : 0.0f;
-        for (int r = 0; r < R; r++)
-            y[r * y_stride + n] = bf16_store(
-                _mm512_reduce_add_ps(_mm512_add_ps(acc[r][0], acc[r][1])) + b);
+        const float bv = bias != NULL ? bf16_load(bias[n]) : 0.0f;
+        for (int r = 0; r < R; r++) {
+            __m512 a = acc[r][0], mm = macc[r][0];
+            if (chains == 2) {
+                a = _mm512_add_ps(a, acc[r][1]);
+                mm = _mm512_add_ps(mm, macc[r][1]);
+            }
+            y[r * y_stride + n] = bf16_store(_mm512_reduce_add_ps(a) + _mm512_reduce_add_ps(mm)
+                                             + bv);
+        }
     }
 }
 
@@ -330,7 +351,8 @@ static void store_results(float *c, const uint16_t *bias, uint16_t *y, int64_t y
 typedef struct {
     const uint8_t *row;  /* the current row's blocks */
     uint16_t *out;       /* its bfloat16 row in the strip */
-    int r, j, rows;      /* row in the strip, block in the row, rows that exist (< n) */
+    int r, j, rows;      /* row in the strip, chunk in the row, rows that exist (< n) */
+    Factors f;           /* the current row's */
 } StripCursor;
 
 static inline void strip_start(StripCursor *c, const uint8_t *w, int64_t row_bytes, int n0,
@@ -339,6 +361,7 @@ static inline void strip_start(StripCursor *c, const uint8_t *w, int64_t row_byt
     c->out = strip;
     c->r = c->j = 0;
     c->rows = n - n0 < 32 ? n - n0 : 32;
+    c->f.block = NULL;
 }
 
 /* Up to `count` more blocks; rows past n are zero. */
@@ -346,7 +369,7 @@ static inline void strip_advance(StripCursor *c, int count, int type, int64_t ro
     const int blocks = k / 32;
     for (; count > 0 && c->r < 32; count--) {
         _mm512_store_si512(c->out + 32 * c->j, c->r < c->rows
-                           ? dequant_chunk_bf16(c->row, type, c->j)
+                           ? dequant_chunk_bf16(c->row, type, c->j, &c->f)
                            : _mm512_setzero_si512());
         if (++c->j == blocks) {
             c->j = 0;
@@ -357,13 +380,13 @@ static inline void strip_advance(StripCursor *c, int count, int type, int64_t ro
     }
 }
 
-/* Block j of a strip's rows r0 .. r1 - 1 as bfloat16 rows of 32 in a slot of 32 such rows; zero
- * past the `have` rows that exist. */
+/* Chunk j of a strip's rows r0 .. r1 - 1 as bfloat16 rows of 32 in a slot of 32 such rows; zero
+ * past the `have` rows that exist. f: each row's factors, kept from chunk to chunk. */
 static inline void dequant_column(uint16_t *slot, const uint8_t *strip, int64_t row_bytes, int j,
-                                  int r0, int r1, int have, int type) {
+                                  int r0, int r1, int have, int type, Factors *f) {
     for (int r = r0; r < r1; r++)
         _mm512_store_si512(slot + 32 * r, r < have
-                           ? dequant_chunk_bf16(strip + r * row_bytes, type, j)
+                           ? dequant_chunk_bf16(strip + r * row_bytes, type, j, &f[r])
                            : _mm512_setzero_si512());
 }
 
@@ -395,7 +418,9 @@ static int quant_matmul_amx_few(const uint16_t *x, int64_t x_stride, const uint8
             const char *next = (const char *)(strip + 32 * row_bytes);
             const int prefetch = s + 1 < s1 ? per_block : 0;
             _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
-            dequant_column(ring[0], strip, row_bytes, 0, 0, 32, have, type);
+            Factors f[32];
+            for (int r = 0; r < 32; r++) f[r].block = NULL;
+            dequant_column(ring[0], strip, row_bytes, 0, 0, 32, have, type, f);
             for (int j = 0; j < blocks; j++) {
                 const uint16_t *slot = ring[j & 1];
                 uint16_t *ahead = ring[(j + 1) & 1];
@@ -406,19 +431,19 @@ static int quant_matmul_amx_few(const uint16_t *x, int64_t x_stride, const uint8
                 _tile_loadd(4, slot, 64);
                 _tile_loadd(6, b, 64);
                 _tile_dpbf16ps(0, 4, 6);
-                dequant_column(ahead, strip, row_bytes, j + 1, 0, q, have, type);
+                dequant_column(ahead, strip, row_bytes, j + 1, 0, q, have, type, f);
                 _tile_loadd(5, slot + 16 * 32, 64);
                 _tile_dpbf16ps(2, 5, 6);
-                dequant_column(ahead, strip, row_bytes, j + 1, q, 2 * q, have, type);
+                dequant_column(ahead, strip, row_bytes, j + 1, q, 2 * q, have, type, f);
                 if (both) {
                     _tile_loadd(7, b + blocks * 256, 64);
                     _tile_dpbf16ps(1, 4, 7);
-                    dequant_column(ahead, strip, row_bytes, j + 1, 2 * q, 3 * q, have, type);
+                    dequant_column(ahead, strip, row_bytes, j + 1, 2 * q, 3 * q, have, type, f);
                     _tile_dpbf16ps(3, 5, 7);
                 } else {
-                    dequant_column(ahead, strip, row_bytes, j + 1, 2 * q, 3 * q, have, type);
+                    dequant_column(ahead, strip, row_bytes, j + 1, 2 * q, 3 * q, have, type, f);
                 }
-                dequant_column(ahead, strip, row_bytes, j + 1, 3 * q, 4 * q, have, type);
+                dequant_column(ahead, strip, row_bytes, j + 1, 3 * q, 4 * q, have, type, f);
             }
             store_results(c, bias, y, y_stride, 0, rows, n0, n, both);
         }
@@ -504,8 +529,10 @@ int has_amx(void) {
 #endif
 }
 
-#define CASE(R) case R: rows_times_blocks(R, xf, k, w, row_bytes, type, bias, y, y_stride, \
-                                         n0, n1); break;
+#define CASE(R, T) case R: rows_times_blocks(R, xf, k, xsum, w, row_bytes, T, bias, y, \
+                                            y_stride, n0, n1); break;
+#define ROWS(T) switch (rows) { CASE(1, T) CASE(2, T) CASE(3, T) CASE(4, T) CASE(5, T) \
+                                CASE(6, T) CASE(7, T) CASE(8, T) }
 
 /* y = x w^T (+ bias). x: [rows, k] bfloat16, y: [rows, n] bfloat16 (row strides given), w: n
  * rows of k / 32 blocks of `type`, row_bytes apart; bias: [n] bfloat16 or NULL. Returns -1 for
@@ -523,15 +550,33 @@ int quant_linear_bf16(const uint16_t *x, int64_t x_stride, const uint8_t *w, int
                                 threads);
 #endif
     if (rows > MAX_ROWS) return -1;
-    float *xf = malloc(sizeof(float) * rows * k);  /* the activations in float32, once */
+    const int chunks = k / 32;
+    /* the activations in float32, once, and each chunk of them folded to 16 lanes (what a min
+     * multiplies) */
+    float *xf = aligned_alloc(64, sizeof(float) * rows * (k + 16 * chunks));
     if (xf == NULL) return -2;
-    for (int r = 0; r < rows; r++)
+    float *xsum = xf + rows * k;
+    for (int r = 0; r < rows; r++) {
         for (int i = 0; i < k; i++) xf[(int64_t)r * k + i] = bf16_load(x[r * x_stride + i]);
+        for (int j = 0; j < chunks; j++) {
+            const float *xr = xf + (int64_t)r * k + 32 * j;
+            _mm512_store_ps(xsum + ((int64_t)r * chunks + j) * 16,
+                            _mm512_add_ps(_mm512_loadu_ps(xr), _mm512_loadu_ps(xr + 16)));
+        }
+    }
     #pragma omp parallel num_threads(threads)
     {
         int n0, n1;
         thread_share(n, &n0, &n1);
-        switch (rows) { CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8) }
+        switch (type) {  /* one specialisation a type: no type tests in the inner loop */
+        case Q4_0: ROWS(Q4_0) break;
+        case Q4_1: ROWS(Q4_1) break;
+        case Q5_1: ROWS(Q5_1) break;
+        case Q8_0: ROWS(Q8_0) break;
+        case Q4_K: ROWS(Q4_K) break;
+        case Q5_K: ROWS(Q5_K) break;
+        default: ROWS(Q6_K) break;
+        }
     }
     free(xf);
     return 0;
@@ -544,9 +589,11 @@ int dequant_rows_bf16(const uint8_t *w, int64_t row_bytes, int type, const int64
                       int k, uint16_t *out, int64_t out_stride, int threads) {
     if (!reads_bf16(type) || k % values_per_block(type) != 0) return -1;
     #pragma omp parallel for schedule(static) num_threads(threads) if (n >= 2 * threads)
-    for (int r = 0; r < n; r++)
+    for (int r = 0; r < n; r++) {
+        Factors f = {.block = NULL};
         for (int j = 0; j < k / 32; j++)
             _mm512_storeu_si512(out + r * out_stride + 32 * j,
-                                dequant_chunk_bf16(w + ids[r] * row_bytes, type, j));
+                                dequant_chunk_bf16(w + ids[r] * row_bytes, type, j, &f));
+    }
     return 0;
 }
