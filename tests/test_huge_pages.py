@@ -34,3 +34,26 @@ def test_large_tensor_is_advised_huge():
     assert not t.any()
     middle = t.data_ptr() + t.numel() * t.element_size() // 2
     assert "hg" in vm_flags(middle)  # MADV_HUGEPAGE is set on that range
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/self/smaps is Linux's")
+def test_the_pool_is_not_resident_until_written():
+    """A GB pool costs nothing at start: the kernel hands its pages out zeroed as they are
+    first written (so no seconds spent zeroing it, no memory held for pages never used)."""
+    t = huge_pages.zeros((256 << 20,), torch.float32, torch.device("cpu"))  # 1 GiB
+    assert resident_kib(t.data_ptr()) < 4096
+    t[: 16 << 20] = 1.0  # 64 MB written
+    assert 60 << 10 <= resident_kib(t.data_ptr()) < 100 << 10
+
+
+def resident_kib(address: int) -> int:
+    """Rss (KiB) of the mapping of this process that holds ``address``."""
+    inside = False
+    for line in open("/proc/self/smaps"):
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            inside = lo <= address < hi
+        elif inside and head == "Rss:":
+            return int(line.split()[1])
+    raise AssertionError(f"no mapping holds {address:#x}")

@@ -10,8 +10,9 @@ import os
 import re
 import shutil
 import tempfile
-from collections.abc import Iterable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import gguf
@@ -68,6 +69,8 @@ class QuantizedWeight:
     ggml_type: int
     blocks: torch.Tensor  # uint8 [out_features, in_features // block_values * block_bytes]
     wide: bool = False
+    # blocks that are a view of a file's map: gives their pages back, once a copy replaces them
+    release: Callable[[], None] | None = field(default=None, repr=False, compare=False)
 
     @property
     def block_values(self) -> int:
@@ -300,9 +303,11 @@ def gguf_tensors(reader: GGUFFile, config: ModelConfig
             moved = _unpermute_rows(blocks, name, config)
             kind, moved = _kernel_blocks(kind, moved)
             if moved is not blocks:
-                moved = np.ascontiguousarray(moved)
+                quantized[name] = QuantizedWeight(kind, torch.from_numpy(np.ascontiguousarray(moved)))
                 reader.release(t)
-            quantized[name] = QuantizedWeight(kind, torch.from_numpy(moved))
+            else:
+                quantized[name] = QuantizedWeight(kind, torch.from_numpy(blocks),
+                                                  release=partial(reader.release, t))
             continue
         if len(t.shape) == 2:
             dense.append((name, kind))

@@ -288,7 +288,11 @@ class Transformer(nn.Module):
             found = [quantized.get(name) for name in names]
             if kernel is not None and all(q is not None and q.ggml_type in kernel.types
                                           for q in found):
-                return tuple(kernel.in_format(q) for q in found)
+                runs = tuple(kernel.in_format(q) for q in found)
+                for q, run in zip(found, runs):
+                    if run is not q and q.release is not None:  # a copy in the kernel's format
+                        q.release()
+                return runs
             unread.extend((n, q.ggml_type) for n, q in zip(names, found) if q is not None
                           and q.ggml_type not in DENSE_TYPES.values())
             return None
