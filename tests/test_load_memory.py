@@ -20,17 +20,18 @@ Q = gguf.GGMLQuantizationType
 HIDDEN, LAYERS, FFN, HEADS, KV_HEADS = 1024, 12, 4096, 16, 4
 
 # Loads the file, generates (every matrix read once), and prints resident memory before
-# loading and the peak after, in bytes.
+# loading and the peak after, in bytes (VmHWM: ru_maxrss would carry the parent's peak over the
+# fork and exec).
 PROBE = """
-import json, resource, sys
+import json, sys
 from conveyor import LLM, SamplingParams
-def rss(): return int(open("/proc/self/statm").read().split()[1]) * resource.getpagesize()
-before = rss()
+from conveyor.engine.engine import resident_gib
+before = resident_gib()[0] * 2**30
 llm = LLM(model=sys.argv[1], num_kv_blocks=64, max_model_len=256, max_num_seqs=2)
 out = llm.generate(["the cat sat"], SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)
 assert len(out[0].outputs[0].token_ids) == 2
-print(json.dumps({"before": before, "peak": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-                  * 1024, "dtype": str(llm.engine.dtype)}))
+print(json.dumps({"before": before, "peak": resident_gib()[1] * 2**30,
+                  "dtype": str(llm.engine.dtype)}))
 """
 
 

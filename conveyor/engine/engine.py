@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 import gc
 import logging
-import resource
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -63,10 +62,12 @@ class _RequestState:
 
 
 def resident_gib() -> tuple[float, float]:
-    """This process's resident memory now and at its peak, in GiB (Linux)."""
-    with open("/proc/self/statm") as f:
-        now = int(f.read().split()[1]) * resource.getpagesize()
-    return now / 2**30, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    """This process's resident memory now and at its peak, in GiB (Linux's VmRSS and VmHWM;
+    getrusage's peak would carry a parent's over fork and exec)."""
+    with open("/proc/self/status") as f:
+        kib = {k: int(v.split()[0]) for k, v in (line.split(":", 1) for line in f)
+               if k in ("VmRSS", "VmHWM")}
+    return kib["VmRSS"] / 2**20, kib["VmHWM"] / 2**20
 
 
 def _check_text(text: str, what: str) -> None:
