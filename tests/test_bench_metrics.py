@@ -109,7 +109,7 @@ def fake_server():
 def test_measured_timings_follow_the_script(fake_server):
     workload = [BenchRequest("a", 1, 4), BenchRequest("b", 1, 2)]
     results, duration = asyncio.run(run_load(fake_server, "/v1/completions", "m", workload,
-                                             [0.0, 0.0], None, False, show_progress=False))
+                                             [0.0, 0.0], None, {}, show_progress=False))
     a, b = results
     assert a.success and b.success
     assert a.output_tokens == 4 and b.output_tokens == 2  # from the usage chunk
