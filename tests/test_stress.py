@@ -8,7 +8,8 @@ import asyncio
 import pytest
 from server_process import ServerProcess, running_server
 
-from conveyor.bench.stress import rss_mib, run_overload, run_soak, server_state, summary
+from conveyor.bench.stress import (rss_mib, run_overload, run_soak, server_state, summary,
+                                   write_kv_pool)
 
 
 @pytest.fixture(scope="module")
@@ -35,6 +36,7 @@ def test_overload_each_stream_completes_or_is_refused(server):
 @pytest.mark.slow
 def test_soak_with_disconnects_and_bad_requests_loses_nothing(server):
     rss = {}
+    write_kv_pool(server.base_url, {})  # (the pool is mapped lazily)
     outcomes = asyncio.run(run_soak(
         server.base_url, {}, 240, 8, 0.10, 0.05, 8, 0, 80,
         lambda: rss.setdefault("checkpoint", rss_mib(server.proc.pid))))

@@ -5,7 +5,8 @@ either complete or be refused quickly (429/503), and afterwards nothing may run,
 KV page. Soak sends many short mixed requests (chat and completions, streamed or not) from a
 fixed number of clients, some of which disconnect at random points and some of which send bad
 requests on purpose: only those intended errors may appear, no page may leak, and the server's
-resident memory must level off.
+resident memory must level off (measured after every KV page has been written once: the pool is
+mapped lazily).
 
 Both start ``conveyor serve`` with ``--server-args`` unless ``--base-url`` names a running
 server (then resident memory is not measured).
@@ -105,6 +106,22 @@ def server_state(base_url: str, headers: dict, pid: int | None, settle_s: float 
                        httpx.get(f"{base_url}/health", timeout=30).status_code, rss_mib(pid),
                        {k.split(":", 2)[-1]: v for k, v in m.items()
                         if k.startswith("conveyor:request_success_total:")})
+
+
+def write_kv_pool(base_url: str, headers: dict, seed: int = 0) -> None:
+    """Write every KV page once: prompts of random token ids (never a prefix hit) whose tokens
+    add up to the pool's. The pool is mapped lazily and pages are handed out first-freed
+    first, so until each has been written, resident memory grows by first touches, not leaks."""
+    settings = httpx.get(f"{base_url}/v1/engine/dashboard", params={"window": 1},
+                         headers=headers, timeout=30).json()["settings"]
+    rng = random.Random(seed)
+    left = settings["num_kv_pages"] * settings["block_size"]
+    length = min(settings["max_model_len"] - 1, 2048)
+    while left > 0:
+        prompt = [rng.randrange(100, 10_000) for _ in range(length)]
+        httpx.post(f"{base_url}/v1/completions", headers=headers, timeout=600, json={
+            "model": settings["model"], "prompt": prompt, "max_tokens": 1}).raise_for_status()
+        left -= length
 
 
 def _is_openai_error(response: httpx.Response) -> bool:
@@ -322,6 +339,7 @@ def soak(args: argparse.Namespace) -> None:
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     with _target(args, "--max-num-seqs 32") as (server, base_url, pid):
         rss: dict[str, float | None] = {"start": rss_mib(pid)}
+        write_kv_pool(base_url, headers, args.seed)
         t0 = time.monotonic()
         outcomes = asyncio.run(run_soak(
             base_url, headers, args.num_requests, args.concurrency, args.disconnect_share,
