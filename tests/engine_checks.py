@@ -10,3 +10,9 @@ def assert_no_leak(llm: LLM) -> None:
     pool = llm.engine.scheduler.kv.pool
     assert pool.num_free_blocks == pool.num_blocks
     assert not llm.engine.has_unfinished_requests()
+
+
+def assert_allowed(matcher, token_ids: list[int]) -> None:
+    """A fresh constraint matcher takes every one of these tokens (a cut output: a prefix the
+    constraint allows)."""
+    assert matcher.validate_tokens(token_ids) == len(token_ids), token_ids

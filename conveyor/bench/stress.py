@@ -89,6 +89,12 @@ def rss_mib(pid: int | None) -> float | None:
     return None
 
 
+def engine_settings(base_url: str, headers: dict) -> dict:
+    """The running engine's settings, as its dashboard feed gives them."""
+    return httpx.get(f"{base_url}/v1/engine/dashboard", params={"window": 1}, headers=headers,
+                     timeout=30).json()["settings"]
+
+
 def server_state(base_url: str, headers: dict, pid: int | None, settle_s: float = 30.0
                  ) -> ServerState:
     """The server once it has gone idle (running and waiting 0), or after ``settle_s``."""
@@ -99,10 +105,9 @@ def server_state(base_url: str, headers: dict, pid: int | None, settle_s: float 
         if idle or time.monotonic() > deadline:
             break
         time.sleep(0.5)
-    feed = httpx.get(f"{base_url}/v1/engine/dashboard", params={"window": 1}, headers=headers,
-                     timeout=30).json()
     return ServerState(m["conveyor:num_requests_running"], m["conveyor:num_requests_waiting"],
-                       m["conveyor:kv_cache_usage_perc"], feed["settings"]["num_kv_pages"],
+                       m["conveyor:kv_cache_usage_perc"],
+                       engine_settings(base_url, headers)["num_kv_pages"],
                        httpx.get(f"{base_url}/health", timeout=30).status_code, rss_mib(pid),
                        {k.split(":", 2)[-1]: v for k, v in m.items()
                         if k.startswith("conveyor:request_success_total:")})
@@ -112,8 +117,7 @@ def write_kv_pool(base_url: str, headers: dict, seed: int = 0) -> None:
     """Write every KV page once: prompts of random token ids (never a prefix hit) whose tokens
     add up to the pool's. The pool is mapped lazily and pages are handed out first-freed
     first, so until each has been written, resident memory grows by first touches, not leaks."""
-    settings = httpx.get(f"{base_url}/v1/engine/dashboard", params={"window": 1},
-                         headers=headers, timeout=30).json()["settings"]
+    settings = engine_settings(base_url, headers)
     rng = random.Random(seed)
     left = settings["num_kv_pages"] * settings["block_size"]
     length = min(settings["max_model_len"] - 1, 2048)
