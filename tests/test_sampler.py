@@ -1,4 +1,5 @@
-"""The batched sampler: filters never let a disallowed token through; seeds are batch-independent."""
+"""The batched sampler: filters never let a disallowed token through; seeds are batch-independent.
+Every test runs with the draw in PyTorch and with the CPU kernel's (where it builds)."""
 
 from __future__ import annotations
 
@@ -10,11 +11,25 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conveyor.engine.request import Request
+from conveyor.kernels import isa
+from conveyor.kernels.bindings import SampleRows
+from conveyor.kernels.library import load_library
 from conveyor.model.sampler import Sampler
 from conveyor.sampling_params import SamplingParams
 
 V = 50
 EOS = 0
+
+
+@pytest.fixture(scope="module", params=["torch", "kernel"])
+def make(request):
+    """Sampler(vocab_size, seed) drawing in PyTorch or with the CPU kernel."""
+    if request.param == "torch":
+        return lambda vocab, seed: Sampler(vocab, torch.device("cpu"), seed)
+    lib = load_library(isa.current().tier)
+    if lib is None:
+        pytest.skip("the CPU kernels do not build here")
+    return lambda vocab, seed: Sampler(vocab, torch.device("cpu"), seed, draw=SampleRows(lib))
 
 
 def req(rid: str = "r", prompt=(1, 2, 3), outputs=(), **params) -> Request:
@@ -48,42 +63,44 @@ def allowed_set(logits: torch.Tensor, temperature: float, top_k: int, top_p: flo
 @settings(max_examples=60, deadline=None)
 @given(seed=st.integers(0, 2**16), temperature=st.floats(0.3, 2.0),
        top_k=st.sampled_from([0, 1, 2, 5, 20]), top_p=st.sampled_from([1.0, 0.9, 0.5, 0.1]),
-       min_p=st.sampled_from([0.0, 0.05, 0.3]))
-def test_filters_never_emit_a_token_outside_the_allowed_set(seed, temperature, top_k, top_p, min_p):
+       min_p=st.sampled_from([0.0, 0.05, 0.3]), vocab=st.sampled_from([V, 3000]),
+       scale=st.sampled_from([0.3, 3.0, 10.0]))
+def test_filters_never_emit_a_token_outside_the_allowed_set(make, seed, temperature, top_k, top_p,
+                                                            min_p, vocab, scale):
     gen = torch.Generator().manual_seed(seed)
-    logits = torch.randn(V, generator=gen) * 3
+    logits = torch.randn(vocab, generator=gen) * scale
     allowed = allowed_set(logits, temperature, top_k, top_p, min_p)
-    sampler = Sampler(V, torch.device("cpu"), seed)
+    sampler = make(vocab, seed)
     batch = [req(str(i), temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
              for i in range(32)]
     seen = set()
     for _ in range(8):
-        seen |= {r.token_id for r in sampler(logits.expand(32, V).clone(), batch)}
+        seen |= {r.token_id for r in sampler(logits.expand(32, vocab).clone(), batch)}
     assert seen <= allowed, f"sampled {seen - allowed} outside {allowed}"
 
 
-def test_top_p_keeps_the_smallest_set_reaching_p():
+def test_top_p_keeps_the_smallest_set_reaching_p(make):
     probs = torch.tensor([0.5, 0.3, 0.1, 0.05, 0.05])
     logits = probs.log().expand(200, 5).clone()
-    sampler = Sampler(5, torch.device("cpu"), 0)
+    sampler = make(5, 0)
     out = sampler(logits, [req(str(i), top_p=0.7) for i in range(200)])
     tokens = {r.token_id for r in out}
     assert tokens == {0, 1}  # 0.5 < 0.7, so the 0.3 token is needed too; nothing more
 
 
-def test_greedy_is_argmax_and_temperature_zero_ignores_filters():
+def test_greedy_is_argmax_and_temperature_zero_ignores_filters(make):
     logits = torch.randn(4, V)
-    out = Sampler(V, torch.device("cpu"), 0)(logits, [req(str(i), temperature=0, top_k=3)
+    out = make(V, 0)(logits, [req(str(i), temperature=0, top_k=3)
                                                      for i in range(4)])
     assert [r.token_id for r in out] == logits.argmax(-1).tolist()
 
 
-def test_seeded_request_is_independent_of_the_batch():
+def test_seeded_request_is_independent_of_the_batch(make):
     gen = torch.Generator().manual_seed(3)
     logits = torch.randn(V, generator=gen)
 
     def run(batch_size: int) -> list[int]:
-        sampler = Sampler(V, torch.device("cpu"), seed=batch_size)  # different global noise
+        sampler = make(V, batch_size)  # different global noise
         seeded = req("seeded", temperature=1.0, seed=1234)
         others = [req(f"o{i}", temperature=1.0) for i in range(batch_size - 1)]
         tokens = []
@@ -98,11 +115,11 @@ def test_seeded_request_is_independent_of_the_batch():
     assert len(set(alone)) > 1  # it really sampled
 
 
-def test_penalties_push_away_from_seen_tokens():
+def test_penalties_push_away_from_seen_tokens(make):
     logits = torch.zeros(1, V)
     logits[0, 7] = 2.0
     logits[0, 8] = 1.5
-    sampler = Sampler(V, torch.device("cpu"), 0)
+    sampler = make(V, 0)
     assert sampler(logits, [req(temperature=0)])[0].token_id == 7
     assert sampler(logits, [req(prompt=[7], temperature=0, repetition_penalty=2.0)])[0].token_id == 8
     assert sampler(logits, [req(outputs=[7], temperature=0, frequency_penalty=1.0)])[0].token_id == 8
@@ -110,21 +127,21 @@ def test_penalties_push_away_from_seen_tokens():
     assert sampler(logits, [req(outputs=[7], temperature=0, presence_penalty=0.6)])[0].token_id == 8
 
 
-def test_min_tokens_masks_eos_and_stop_ids():
+def test_min_tokens_masks_eos_and_stop_ids(make):
     logits = torch.zeros(1, V)
     logits[0, EOS] = 5.0
     logits[0, 9] = 4.0
     logits[0, 3] = 3.0
-    sampler = Sampler(V, torch.device("cpu"), 0)
+    sampler = make(V, 0)
     early = req(temperature=0, min_tokens=2, stop_token_ids=[9])
     assert sampler(logits, [early])[0].token_id == 3
     late = req(outputs=[5, 5], temperature=0, min_tokens=2, stop_token_ids=[9])
     assert sampler(logits, [late])[0].token_id == EOS
 
 
-def test_logprobs_are_raw_log_softmax_with_ranks():
+def test_logprobs_are_raw_log_softmax_with_ranks(make):
     logits = torch.randn(1, V)
-    out = Sampler(V, torch.device("cpu"), 0)(logits, [req(temperature=0, logprobs=3)])[0]
+    out = make(V, 0)(logits, [req(temperature=0, logprobs=3)])[0]
     expected = torch.log_softmax(logits[0], -1)
     (tok, lp, rank), *top = out.logprobs
     assert tok == int(logits.argmax()) and rank == 1 and math.isclose(lp, float(expected[tok]),
@@ -168,25 +185,29 @@ def chi_square_p_value(counts: torch.Tensor, expected: torch.Tensor) -> float:
     return float(torch.special.gammaincc(torch.tensor(dof / 2), torch.tensor(stat / 2)))
 
 
-@pytest.mark.parametrize("temperature,top_k,top_p,min_p", [
-    (1.0, 0, 1.0, 0.0), (0.7, 0, 1.0, 0.0), (1.0, 5, 1.0, 0.0), (1.0, 0, 0.8, 0.0),
-    (1.0, 0, 0.3, 0.0), (1.3, 0, 1.0, 0.1), (0.8, 10, 0.9, 0.05), (1.0, 40, 0.95, 0.0)])
-def test_sampled_frequencies_follow_the_renormalised_distribution(temperature, top_k, top_p,
-                                                                 min_p):
+@pytest.mark.parametrize("temperature,top_k,top_p,min_p,vocab,scale", [
+    (1.0, 0, 1.0, 0.0, V, 1.0), (0.7, 0, 1.0, 0.0, V, 1.0), (1.0, 5, 1.0, 0.0, V, 1.0),
+    (1.0, 0, 0.8, 0.0, V, 1.0), (1.0, 0, 0.3, 0.0, V, 1.0), (1.3, 0, 1.0, 0.1, V, 1.0),
+    (0.8, 10, 0.9, 0.05, V, 1.0), (1.0, 40, 0.95, 0.0, V, 1.0),
+    # a vocabulary's worth of tokens, peaked (a model's logits) and nearly flat
+    (0.8, 0, 0.95, 0.0, 4096, 4.0), (1.0, 0, 1.0, 0.05, 4096, 4.0), (0.8, 40, 0.9, 0.0, 4096, 4.0),
+    (1.0, 0, 0.5, 0.0, 4096, 0.3)])
+def test_sampled_frequencies_follow_the_renormalised_distribution(make, temperature, top_k, top_p,
+                                                                 min_p, vocab, scale):
     """20,000 draws a setting against the exact distribution the rules leave: a chi-square test
     at 0.001 (the seeds are fixed, so the test is deterministic), nothing outside the allowed
     tokens, and the same counts fail against the unfiltered distribution where the rules cut
     something (the test can tell them apart)."""
     gen = torch.Generator().manual_seed(top_k + int(100 * top_p))
-    logits = torch.randn(V, generator=gen)
+    logits = torch.randn(vocab, generator=gen) * scale
     want = nucleus_distribution(logits, temperature, top_k, top_p, min_p)
     assert (want > 0).sum() >= 3  # a distribution to test
-    sampler = Sampler(V, torch.device("cpu"), 7)
+    sampler = make(vocab, 7)
     batch = [req(str(i), temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
              for i in range(2000)]
-    counts = torch.zeros(V, dtype=torch.float64)
+    counts = torch.zeros(vocab, dtype=torch.float64)
     for _ in range(10):
-        for r in sampler(logits.expand(len(batch), V).clone(), batch):
+        for r in sampler(logits.expand(len(batch), vocab).clone(), batch):
             counts[r.token_id] += 1
     assert counts[want == 0].sum() == 0
     assert chi_square_p_value(counts, want * counts.sum()) > 1e-3
@@ -195,7 +216,7 @@ def test_sampled_frequencies_follow_the_renormalised_distribution(temperature, t
         assert chi_square_p_value(counts, unfiltered * counts.sum()) < 1e-6
 
 
-def test_penalties_and_a_grammar_mask_come_before_the_draw():
+def test_penalties_and_a_grammar_mask_come_before_the_draw(make):
     """The draw is from the penalised logits, restricted to the grammar's tokens."""
     from conveyor.model.sampler import GrammarMask
 
@@ -204,7 +225,7 @@ def test_penalties_and_a_grammar_mask_come_before_the_draw():
     bitmask = torch.zeros(1, 2, dtype=torch.int32)
     for t in allowed:
         bitmask[0, t // 32] |= 1 << (t % 32)
-    sampler = Sampler(V, torch.device("cpu"), 1)
+    sampler = make(V, 1)
     batch = [req(str(i), outputs=[7], temperature=1.0, presence_penalty=1.5) for i in range(2000)]
     counts = torch.zeros(V, dtype=torch.float64)
     for _ in range(10):

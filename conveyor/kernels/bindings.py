@@ -117,6 +117,32 @@ class ArgmaxRows:
         return out
 
 
+class SampleRows:
+    """One token a row drawn under temperature, top_k, top_p and min_p (``csrc/generic/sample.c``)."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        fn = lib.sample_rows
+        fn.argtypes, fn.restype = [p, i64, i32, i64, p, p, p, p, p, p, i32], i32
+        self._fn = fn
+
+    def __call__(self, x: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
+                 top_p: torch.Tensor, min_p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        """x: [rows, cols] float32 logits (rows may be strided), on the CPU; per row:
+        temperature (> 0), top_p, min_p float32, top_k int64 (0: off), u float64 uniforms.
+        Returns [rows] int64."""
+        rows, cols = x.shape
+        assert x.dtype == torch.float32 and x.device.type == "cpu" and x.stride(1) == 1
+        args = [temperature, top_k, top_p, min_p, u]
+        for t, dtype in zip(args, (torch.float32, torch.int64, torch.float32, torch.float32,
+                                   torch.float64)):
+            assert t.dtype == dtype and t.shape == (rows,) and t.is_contiguous()
+        out = torch.empty(rows, dtype=torch.int64)
+        if self._fn(x.data_ptr(), x.stride(0), rows, cols, *(t.data_ptr() for t in args),
+                    out.data_ptr(), torch.get_num_threads()):
+            raise MemoryError("sample_rows: no memory for its scratch buffers")
+        return out
+
+
 class RopeKVWrite:
     """Rotate q and k in place and write k and v to the cache, in one call a layer."""
 

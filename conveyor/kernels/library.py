@@ -15,8 +15,8 @@ import torch
 
 from conveyor.kernels import build, isa
 from conveyor.kernels.bindings import (AddRMSNorm, ArgmaxRows, DecodeKernel, DecodeStack,
-                                       DequantRows, QuantLinear, RopeKVWrite, SiluMul, StackLayer,
-                                       has_entry)
+                                       DequantRows, QuantLinear, RopeKVWrite, SampleRows, SiluMul,
+                                       StackLayer, has_entry)
 
 logger = logging.getLogger("conveyor")
 
@@ -34,6 +34,7 @@ class CPUKernels:
     rope_kv_write: RopeKVWrite
     quant_linear: QuantLinear
     argmax_rows: ArgmaxRows
+    sample_rows: SampleRows
     dequant_rows: DequantRows
     lib: ctypes.CDLL
 
@@ -88,7 +89,7 @@ def kernels_at(tier: str, dtype: torch.dtype, head_dim: int) -> CPUKernels | Non
         return None
     return CPUKernels(tier, dtype, DecodeKernel(lib, dtype), AddRMSNorm(lib, dtype),
                       SiluMul(lib, dtype), RopeKVWrite(lib, dtype), QuantLinear(lib, dtype),
-                      ArgmaxRows(lib), DequantRows(lib, dtype), lib)
+                      ArgmaxRows(lib), SampleRows(lib), DequantRows(lib, dtype), lib)
 
 
 def cpu_kernels(device: torch.device, dtype: torch.dtype, head_dim: int) -> CPUKernels | None:

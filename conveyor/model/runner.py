@@ -18,7 +18,7 @@ from conveyor.model.attention import AttentionMetadata, DecodeGroup, PrefillChun
 from conveyor.model.config import ModelConfig
 from conveyor.model.gguf_file import QuantizedWeight
 from conveyor.model.model import Transformer, rope_tables
-from conveyor.model.sampler import GrammarMask, SampleResult, Sampler, first_max
+from conveyor.model.sampler import GrammarMask, SampleResult, Sampler
 from conveyor.model.sharding import ffn_granule, kv_heads_per_rank, plan_shards, shard_model
 
 
@@ -107,8 +107,9 @@ class ModelRunner:
                           for _ in range(config.num_layers)]
         self.cos, self.sin = rope_tables(config, max_model_len, dtype, device)
         self.kernel_path = describe(device, dtype, config.head_dim, kernels)
-        self.sampler = Sampler(config.vocab_size, device, seed,
-                               first_max if kernels is None else kernels.argmax_rows)
+        self.sampler = (Sampler(config.vocab_size, device, seed) if kernels is None else
+                        Sampler(config.vocab_size, device, seed, kernels.argmax_rows,
+                                kernels.sample_rows))
         self.decode_kernel = kernels.decode_attention if kernels is not None else None
         self.rope_kv_write = kernels.rope_kv_write if kernels is not None else None
         self._bitmask = BatchBitmask()

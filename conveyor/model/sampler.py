@@ -10,6 +10,10 @@ from dataclasses import dataclass
 
 import torch
 
+# (logits [R, V], temperature, top_k, top_p, min_p, uniform: one a row) -> tokens [R]
+Draw = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                 torch.Tensor], torch.Tensor]
+
 from conveyor.engine.faults import InjectedFault
 from conveyor.engine.request import Request
 
@@ -58,9 +62,13 @@ class Sampler:
     MAX_ROUNDS = 8  # rejection rounds of top-p sampling before the open rows are sorted
 
     def __init__(self, vocab_size: int, device: torch.device, seed: int,
-                 argmax: Callable[[torch.Tensor], torch.Tensor] = first_max) -> None:
-        """argmax: each row's first maximum of float32 [B, V] (the CPU kernel, where built)."""
+                 argmax: Callable[[torch.Tensor], torch.Tensor] = first_max,
+                 draw: Draw | None = None) -> None:
+        """argmax: each row's first maximum of float32 [B, V] (the CPU kernel, where built);
+        draw: the sampled rows' tokens from one uniform a row (the CPU kernel, where built),
+        else drawn here in PyTorch."""
         self.argmax = argmax
+        self.draw = draw
         self.vocab_size = vocab_size
         self.device = device
         self.generator = torch.Generator(device=device).manual_seed(seed)
@@ -107,10 +115,13 @@ class Sampler:
         if any(p.uses_penalties for p in params):
             logits = self._apply_penalties(logits, requests)
 
-        tokens = self.argmax(logits)
         sampled = [i for i, p in enumerate(params) if not p.greedy]
-        if sampled:
-            tokens[sampled] = self._sample(logits[sampled], [requests[i] for i in sampled])
+        if len(sampled) == len(requests):  # every row drawn: no copy of the rows, no argmax
+            tokens = self._sample(logits, requests)
+        else:
+            tokens = self.argmax(logits)
+            if sampled:
+                tokens[sampled] = self._sample(logits[sampled], [requests[i] for i in sampled])
 
         token_list = tokens.tolist()
         results = []
@@ -191,6 +202,12 @@ class Sampler:
         B, V = logits.shape
         dev = logits.device
         temps = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev)
+        if self.draw is not None:
+            return self.draw(
+                logits, temps, torch.tensor([p.top_k for p in params], dtype=torch.int64),
+                torch.tensor([p.top_p for p in params], dtype=torch.float32),
+                torch.tensor([p.min_p for p in params], dtype=torch.float32),
+                self._uniforms(requests).double())
         logits = logits / temps.unsqueeze(1)
         top_k = [min(p.top_k, V) if p.top_k > 0 else V for p in params]
         if any(k < V for k in top_k):  # each row's k largest stay (ties as topk breaks them)
