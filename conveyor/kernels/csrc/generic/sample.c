@@ -137,15 +137,18 @@ static int64_t sample_row(const float *x, int64_t n, float temperature, int64_t 
 
     /* Candidates: the tokens above the highest threshold that holds every token kept. */
     float floor_p = 0.0f;
-    for (float t = 0x1p-8f; t >= 0x1p-120f; t *= 0x1p-8f) {
+    for (float t = 0x1p-4f; t >= 0x1p-120f; t *= 0x1p-2f) {
         if (t <= min_p) { floor_p = min_p; break; }  /* min_p keeps nothing below it */
         int64_t count;
         double mass = mass_above(p, n, t, &count);
         if (ranked_k ? count >= top_k : mass >= (double)top_p * total) { floor_p = t; break; }
     }
     int64_t m = 0;
-    for (int64_t i = 0; i < n; i++)
-        if (p[i] > 0.0f && p[i] >= floor_p) { cv[m] = p[i]; cid[m] = (int32_t)i; m++; }
+    for (int64_t i = 0; i < n; i++) {  /* (branch-free: a row's candidates come in any order) */
+        cv[m] = p[i];
+        cid[m] = (int32_t)i;
+        m += p[i] > 0.0f && p[i] >= floor_p;
+    }
 
     double kept = total;
     if (ranked_k) {
