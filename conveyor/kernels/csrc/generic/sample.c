@@ -1,14 +1,14 @@
 /* Random sampling of each row of float32 logits under temperature, top_k, top_p and min_p:
  * one draw a row from the renormalised distribution the rules leave, exactly, without sorting
- * the vocabulary (PyTorch's sort of 32 x 49152 logits takes ~100 ms on two cores; its masked
- * fills, topk and rand over the batch cost more than a decode step).
+ * the vocabulary (a sort, and PyTorch's masked fills, topk and rand over a batch's logits, cost
+ * about a decode step on a CPU: docs/results/real-size).
  *
  * A row: p_i = exp((x_i - max) / T), unnormalised (the most likely token's is 1), in one
  * vectorised pass. The rules keep a prefix of the tokens ranked by p (top_k the k most likely;
  * top_p the fewest most likely whose mass reaches top_p of the top_k's; min_p those with
  * p >= min_p), so the tokens they keep all lie above some threshold: candidates are the tokens
- * with p >= 2^-8, else 2^-16, ..., the first that holds them all; typically a few dozen. The
- * prefix is then found by quickselect on the candidates (by count for top_k, by mass for top_p),
+ * with p >= 2^-4, else 2^-6, ..., the first that holds them all (a few dozen to a few
+ * thousand). The prefix is then found by quickselect on the candidates (by count for top_k, by mass for top_p),
  * never a sort, and the token drawn by inverse CDF with the caller's uniform. A row no rule
  * restricts is drawn from the whole vocabulary.
  *
