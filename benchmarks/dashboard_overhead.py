@@ -20,8 +20,8 @@ import time
 
 import httpx
 
-from conveyor.bench.launcher import ConveyorServer
 from conveyor.bench.serve import add_serve_args, benchmark, build_workload, served_model
+from conveyor.process import ConveyorServer
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 

@@ -21,8 +21,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from conveyor.bench.datasets import conversation_dataset  # noqa: E402
 from conveyor.config import EngineConfig  # noqa: E402
+from conveyor.core.kv_cache_manager import cdiv  # noqa: E402
 from conveyor.engine.engine import LLMEngine  # noqa: E402
-from conveyor.engine.kv_cache_manager import cdiv  # noqa: E402
 from conveyor.model.loader import load_tokenizer  # noqa: E402
 from conveyor.sampling_params import SamplingParams  # noqa: E402
 

@@ -22,9 +22,9 @@ import shutil
 import tempfile
 
 from conveyor.bench.datasets import uniform_dataset
-from conveyor.bench.launcher import ConveyorServer, ServerProcess
 from conveyor.bench.serve import add_serve_args, benchmark, save_result, served_model
 from conveyor.model.loader import default_model_path, load_tokenizer
+from conveyor.process import ConveyorServer, ServerProcess
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 

@@ -17,9 +17,9 @@ import tempfile
 import httpx
 
 from conveyor.bench.datasets import BenchRequest
-from conveyor.bench.launcher import ConveyorServer
 from conveyor.bench.serve import add_serve_args, benchmark, served_model
 from conveyor.model.loader import load_tokenizer
+from conveyor.process import ConveyorServer
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 

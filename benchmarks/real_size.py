@@ -24,9 +24,9 @@ import tempfile
 from peer import LlamaServer
 
 from conveyor.bench.datasets import uniform_dataset
-from conveyor.bench.launcher import ConveyorServer
 from conveyor.bench.serve import add_serve_args, benchmark, save_result, served_model
 from conveyor.model.loader import load_tokenizer
+from conveyor.process import ConveyorServer
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 

@@ -14,8 +14,8 @@ import torch
 
 from conveyor.config import EngineConfig
 from conveyor.engine.engine import LLMEngine
-from conveyor.model.sampler import Sampler
 from conveyor.sampling_params import SamplingParams
+from conveyor.worker.sampler import Sampler
 
 SETTINGS = {
     "greedy": dict(temperature=0.0),

@@ -83,7 +83,7 @@ def cost(llm, num_prompts: int, repeats: int) -> list[tuple[float, float]]:
 
 def compile_times(engine) -> tuple[float, list[float]]:
     from conveyor.bench.schemas import BATTERY
-    from conveyor.engine.grammar import GrammarCompiler
+    from conveyor.core.grammar import GrammarCompiler
     from conveyor.sampling_params import StructuredOutputsParams
 
     compiler = GrammarCompiler(engine.tokenizer, engine.model_config.vocab_size,

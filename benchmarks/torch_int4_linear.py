@@ -14,8 +14,8 @@ import numpy as np
 import torch
 
 from conveyor.kernels import isa
+from conveyor.kernels.blocks import QuantizedWeight
 from conveyor.kernels.library import kernels_at
-from conveyor.model.gguf_file import QuantizedWeight
 
 N, K, GROUP = 3072, 576, 32
 

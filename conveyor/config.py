@@ -5,12 +5,14 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
-from conveyor.engine.kv_cache_manager import KV_LAYOUTS
-from conveyor.engine.scheduler import POLICIES, SCHEDULING_POLICIES
+from conveyor.core.kv_cache_manager import KV_LAYOUTS
+from conveyor.core.scheduler import POLICIES, SCHEDULING_POLICIES
 from conveyor.kernels import isa
+from conveyor.settings import check_choices, setting
 
 _DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
            "float16": torch.float16, "half": torch.float16}
@@ -43,36 +45,48 @@ def available_ram() -> int:
 
 @dataclass
 class EngineConfig:
-    model: str | None = None
-    dtype: str = "auto"
-    block_size: int = 16
-    num_kv_blocks: int | None = None
-    kv_cache_memory: int | str | None = None
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    max_model_len: int | None = None
-    policy: str = "continuous"
-    kv_layout: str = "paged"    # "contiguous" reserves max_model_len per request (no sharing)
-    enable_prefix_caching: bool = True
-    scheduling_policy: str = "fcfs"
-    seed: int = 0
-    device: str | None = None   # None: CUDA when present, else CPU
-    threads: int | None = None  # CPU threads for the model; None: PyTorch's default
-    quantization: str | None = None  # a folder's linears into these GGUF blocks at load
-    tensor_parallel_size: int = 1    # ranks the layers are split across (torch.distributed)
-    data_parallel_size: int = 1      # engine replicas behind one server
-    distributed_init_method: str | None = None  # e.g. tcp://HOST:PORT; default: local or env://
+    """The engine's settings, spelled as vLLM spells them: the ``conveyor generate`` and
+    ``conveyor serve`` flags and ``LLM``'s keywords are these fields (``conveyor.settings``)."""
+
+    DTYPES: ClassVar[tuple[str, ...]] = ("auto", *_DTYPES)
+
+    model: str | None = setting(
+        None, "a .gguf file or a Hugging Face folder (default: SmolLM2-135M-Instruct)")
+    dtype: str = setting("auto", "the model's dtype", choices=DTYPES)
+    block_size: int = setting(16, "tokens per KV page")
+    num_kv_blocks: int | None = setting(None, "KV pages in the pool")
+    kv_cache_memory: int | str | None = setting(
+        None, "KV pool size in memory, e.g. 2GiB (default: a share of free memory)")
+    max_num_seqs: int = setting(64, "most requests in one batch")
+    max_num_batched_tokens: int = setting(2048, "token budget of one step")
+    max_model_len: int | None = setting(
+        None, "longest prompt + output (default: the model's, capped by the pool)")
+    policy: str = setting("continuous", "batching policy", choices=POLICIES)
+    kv_layout: str = setting(
+        "paged", "contiguous: reserve max_model_len per request at admission, as static serving "
+                 "stacks do (to measure what paging saves; no prefix caching)",
+        choices=KV_LAYOUTS)
+    enable_prefix_caching: bool = setting(True, "reuse the KV pages of shared prompt prefixes")
+    scheduling_policy: str = setting(
+        "fcfs", "priority: lower `priority` values are admitted first and preempted last",
+        choices=SCHEDULING_POLICIES)
+    seed: int = setting(0, "the sampler's seed for requests without their own")
+    device: str | None = setting(None, "cpu or cuda (default: cuda when present)")
+    threads: int | None = setting(None, "CPU threads for the model (default: PyTorch's)")
+    quantization: str | None = setting(
+        None, "quantize a Hugging Face folder's linears into these GGUF blocks at load",
+        choices=QUANTIZATIONS)
+    tensor_parallel_size: int = setting(
+        1, "split the layers across this many ranks (torch.distributed: local processes, or "
+           "torchrun's ranks)", short="-tp")
+    data_parallel_size: int = setting(
+        1, "serve with this many engine replicas (conveyor serve)", short="-dp")
+    distributed_init_method: str | None = setting(
+        None, "where the ranks meet (default: a local port, or env:// under torchrun)",
+        metavar="tcp://HOST:PORT")
 
     def __post_init__(self) -> None:
-        if self.dtype != "auto" and self.dtype not in _DTYPES:
-            raise ValueError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {self.dtype!r}")
-        if self.policy not in POLICIES:
-            raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
-        if self.scheduling_policy not in SCHEDULING_POLICIES:
-            raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, "
-                             f"got {self.scheduling_policy!r}")
-        if self.kv_layout not in KV_LAYOUTS:
-            raise ValueError(f"kv_layout must be one of {KV_LAYOUTS}, got {self.kv_layout!r}")
+        check_choices(self)
         if self.kv_layout == "contiguous":
             self.enable_prefix_caching = False  # a region belongs to one request
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens",
@@ -83,9 +97,6 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
-            raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got "
-                             f"{self.quantization!r}")
         if self.num_kv_blocks is not None and self.kv_cache_memory is not None:
             raise ValueError("give num_kv_blocks or kv_cache_memory, not both")
         if self.kv_cache_memory is not None:

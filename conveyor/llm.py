@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from tqdm import tqdm
 
 from conveyor.config import EngineConfig
@@ -13,25 +15,13 @@ Message = dict[str, str]
 
 
 class LLM:
-    def __init__(self, model: str | None = None, dtype: str = "auto", block_size: int = 16,
-                 num_kv_blocks: int | None = None, kv_cache_memory: int | str | None = None,
-                 max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
-                 max_model_len: int | None = None, policy: str = "continuous",
-                 kv_layout: str = "paged", enable_prefix_caching: bool = True, scheduling_policy: str = "fcfs",
-                 seed: int = 0, device: str | None = None, threads: int | None = None,
-                 quantization: str | None = None, tensor_parallel_size: int = 1,
-                 data_parallel_size: int = 1, distributed_init_method: str | None = None) -> None:
-        if data_parallel_size != 1:
+    def __init__(self, model: str | None = None, **settings: Any) -> None:
+        """``settings``: ``EngineConfig``'s fields (its flags, in Python's spelling)."""
+        config = EngineConfig(model=model, **settings)
+        if config.data_parallel_size != 1:
             raise ValueError("data-parallel replicas run behind the server: "
                              "conveyor serve --data-parallel-size N")
-        self.engine = LLMEngine(EngineConfig(
-            model=model, dtype=dtype, block_size=block_size, num_kv_blocks=num_kv_blocks,
-            kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
-            policy=policy, kv_layout=kv_layout, enable_prefix_caching=enable_prefix_caching,
-            scheduling_policy=scheduling_policy, seed=seed, device=device, threads=threads,
-            quantization=quantization, tensor_parallel_size=tensor_parallel_size,
-            distributed_init_method=distributed_init_method))
+        self.engine = LLMEngine(config)
         self._next_id = 0
 
     def get_tokenizer(self):

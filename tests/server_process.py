@@ -13,8 +13,8 @@ from contextlib import contextmanager
 
 import httpx
 
-from conveyor.bench.launcher import free_port
 from conveyor.bench.stress import parse_metrics
+from conveyor.process import free_port
 
 SERVE = [sys.executable, "-m", "conveyor.cli", "serve"]
 # Small enough for 2 CPU cores; the pool holds 512 x 16 tokens.

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import copy
 import shutil
-from unittest import mock
 
 import gguf
 import numpy as np
@@ -15,14 +14,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tiny_models import K_QUANT_RANGE, Q, random_k_quant_blocks
-
 from conveyor.kernels import isa
+from conveyor.kernels.blocks import QuantizedWeight
 from conveyor.kernels.library import cpu_kernels, kernels_at
 from conveyor.model.attention import gather_pages, write_kv
 from conveyor.model.config import ModelConfig
-from conveyor.model.gguf_file import QuantizedWeight
 from conveyor.model.model import Linear, RMSNorm, apply_rope, rope_tables
+
+from tiny_models import K_QUANT_RANGE, Q, random_k_quant_blocks
 
 # Where a compiler exists the kernels must build: a broken build fails here instead of skipping.
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
@@ -362,8 +361,8 @@ def test_prompt_tokens_as_queries_match_sdpa(monkeypatch, default_gguf_path, nat
     the decode stack), and through SDPA (the layers one by one): the same next tokens, and
     log-probabilities within the dtype's reach."""
     from conveyor import LLM, SamplingParams
-    from conveyor.model import runner
     from conveyor.model.model import Transformer
+    from conveyor.worker import runner
 
     llm = LLM(model=default_gguf_path, dtype=str(native_dtype).removeprefix("torch."),
               enable_prefix_caching=False)

@@ -8,17 +8,23 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+from dataclasses import replace
 
 import httpx
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+
+from conveyor.cli import build_parser
+from conveyor.config import EngineConfig
+from conveyor.server.config import ServerConfig
+from conveyor.server.data_parallel.front import replica_flags
+from conveyor.server.data_parallel.router import PREFIX_BLOCKS, Router, page_hashes
+from conveyor.settings import from_namespace
+
 from server_process import child_pids, running_server
 from test_equivalence import random_prompts, run_conveyor
 from tiny_models import make_tiny_checkpoint
-
-from conveyor.server.data_parallel import replica_flags
-from conveyor.server.router import PREFIX_BLOCKS, Router, page_hashes
 
 # The equivalence tests' engine: a pool small enough to preempt, prompts prefilled in chunks.
 ENGINE = ["--dtype", "float32", "--block-size", "16", "--num-kv-blocks", "20",
@@ -55,12 +61,19 @@ def test_page_hashes_chain_and_the_memory_is_bounded():
     assert len(router.replicas[0].pages) == PREFIX_BLOCKS
 
 
-def test_replicas_get_the_front_s_flags_but_its_own():
-    flags = replica_flags(["--model", "m", "-dp", "2", "--port=80", "--host", "0.0.0.0",
-                           "--policy", "static"], threads=1)
-    assert flags == ["--model", "m", "--policy", "static", "--threads", "1",
-                     "--host", "127.0.0.1"]
-    assert "--threads" not in replica_flags(["--port", "1"], threads=None)
+def test_replicas_get_the_front_s_settings_but_its_own():
+    """A replica's flags, parsed by ``conveyor serve``, give back the front's settings: one
+    replica, on loopback, the threads it was given unless the front's say."""
+    engine = EngineConfig(model="m", data_parallel_size=2, policy="static", device="cpu",
+                          enable_prefix_caching=False, kv_cache_memory="1GiB")
+    server = ServerConfig(host="0.0.0.0", port=80, api_key="k", served_model_name=["a", "b"],
+                          request_timeout=2.5, dashboard_public=True)
+    parsed = build_parser().parse_args(["serve", *replica_flags(engine, server, threads=1)])
+    assert from_namespace(EngineConfig, parsed) == replace(engine, data_parallel_size=1,
+                                                           threads=1)
+    assert from_namespace(ServerConfig, parsed) == replace(server, host="127.0.0.1", port=8000)
+    own = replica_flags(replace(engine, threads=3), server, threads=1)
+    assert from_namespace(EngineConfig, build_parser().parse_args(["serve", *own])).threads == 3
 
 
 # -- two replicas behind the front -------------------------------------------------------------

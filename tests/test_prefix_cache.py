@@ -9,10 +9,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conveyor import LLM, SamplingParams
-from conveyor.engine.block_pool import BlockPool, hash_block
-from conveyor.engine.kv_cache_manager import KVCacheManager, cdiv
-from conveyor.engine.request import Request
-from conveyor.engine.scheduler import Scheduler, SchedulerConfig
+from conveyor.core.block_pool import BlockPool, hash_block
+from conveyor.core.kv_cache_manager import KVCacheManager, cdiv
+from conveyor.core.request import Request
+from conveyor.core.scheduler import Scheduler, SchedulerConfig
 
 
 # -- the pool with a cache -----------------------------------------------------------------------

@@ -10,12 +10,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conveyor.engine.request import Request
+from conveyor.core.request import Request
 from conveyor.kernels import isa
 from conveyor.kernels.bindings import SampleRows
 from conveyor.kernels.library import load_library
-from conveyor.model.sampler import Sampler
 from conveyor.sampling_params import SamplingParams
+from conveyor.worker.sampler import Sampler
 
 V = 50
 EOS = 0
@@ -218,7 +218,7 @@ def test_sampled_frequencies_follow_the_renormalised_distribution(make, temperat
 
 def test_penalties_and_a_grammar_mask_come_before_the_draw(make):
     """The draw is from the penalised logits, restricted to the grammar's tokens."""
-    from conveyor.model.sampler import GrammarMask
+    from conveyor.worker.sampler import GrammarMask
 
     logits = torch.randn(V, generator=torch.Generator().manual_seed(5))
     allowed = [3, 4, 7, 11, 20]

@@ -9,12 +9,16 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conveyor.engine.block_pool import BlockPool
-from conveyor.engine.kv_cache_manager import (ContiguousKVCacheManager, KVCacheManager, cdiv,
-                                               make_kv_cache_manager)
-from conveyor.engine.request import Request, RequestStatus
-from conveyor.engine.scheduler import Scheduler, SchedulerConfig
-from conveyor.engine.timeline import DECODE, BatchTimeline
+from conveyor.core.block_pool import BlockPool
+from conveyor.core.kv_cache_manager import (
+    ContiguousKVCacheManager,
+    KVCacheManager,
+    cdiv,
+    make_kv_cache_manager,
+)
+from conveyor.core.request import Request, RequestStatus
+from conveyor.core.scheduler import Scheduler, SchedulerConfig
+from conveyor.core.timeline import DECODE, BatchTimeline
 from conveyor.sampling_params import SamplingParams
 
 EOS = 0

@@ -13,12 +13,19 @@ from types import SimpleNamespace
 import pytest
 
 from conveyor.engine.faults import EngineKilled
-from conveyor.engine.grammar import GrammarStats
+from conveyor.core.grammar import GrammarStats
 from conveyor.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from conveyor.sampling_params import SamplingParams
-from conveyor.server.engine_thread import (MAX_UNREAD_OUTPUTS, EngineDead, EngineRequest,
-                                           EngineThread, QueueFull, RequestTimeout, Submission,
-                                           TooManyRequests)
+from conveyor.server.engine_thread import (
+    MAX_UNREAD_OUTPUTS,
+    EngineDead,
+    EngineRequest,
+    EngineThread,
+    QueueFull,
+    RequestTimeout,
+    Submission,
+    TooManyRequests,
+)
 from conveyor.server.metrics import ServerMetrics
 
 

@@ -12,13 +12,14 @@ import httpx
 import jsonschema
 import pytest
 from pydantic import BaseModel, Field
-from engine_checks import assert_allowed
-from server_process import running_server
 
 from conveyor.bench.schemas import BATTERY
-from conveyor.engine.grammar import GrammarCompiler
+from conveyor.core.grammar import GrammarCompiler
 from conveyor.model.loader import load_tokenizer
 from conveyor.sampling_params import StructuredOutputsParams
+
+from engine_checks import assert_allowed
+from server_process import running_server
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The current weather in a city",

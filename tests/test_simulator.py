@@ -15,8 +15,8 @@ from conveyor.bench.roofline import GIB, MODEL_CONFIGS, RooflineCost, accelerato
 from conveyor.bench.simulator import EngineSettings, SimulatedRequest, Simulator
 from conveyor.cli import main
 from conveyor.config import EngineConfig
+from conveyor.core.scheduler import SchedulerConfig
 from conveyor.engine.engine import LLMEngine
-from conveyor.engine.scheduler import SchedulerConfig
 from conveyor.sampling_params import SamplingParams
 
 

@@ -11,12 +11,13 @@ import re
 import jsonschema
 import pytest
 import torch
-from engine_checks import assert_allowed, assert_no_leak
 
 from conveyor import LLM, SamplingParams
 from conveyor.bench.schemas import BATTERY
-from conveyor.model.sampler import allowed_tokens
 from conveyor.sampling_params import StructuredOutputsParams
+from conveyor.worker.sampler import allowed_tokens
+
+from engine_checks import assert_allowed, assert_no_leak
 
 FORMATS = jsonschema.FormatChecker()
 

@@ -15,19 +15,26 @@ import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from server_process import child_pids, running_server
-from test_equivalence import random_prompts, run_conveyor, text_prompts
+
 # The server tests that run again here against a 2-rank server (the `server` fixture below).
 from test_server import (  # noqa: F401
-    test_32_concurrent_streams_batch_together, test_chat_streamed_equals_non_streamed,
-    test_completion_streamed_equals_non_streamed, test_disconnect_frees_pages,
-    test_n2_and_several_prompts, test_repeated_prefix_is_served_from_the_cache)
+    test_32_concurrent_streams_batch_together,
+    test_chat_streamed_equals_non_streamed,
+    test_completion_streamed_equals_non_streamed,
+    test_disconnect_frees_pages,
+    test_n2_and_several_prompts,
+    test_repeated_prefix_is_served_from_the_cache,
+)
 
 from conveyor import LLM, SamplingParams
-from conveyor.bench.launcher import free_port
+from conveyor.kernels.blocks import QuantizedWeight
 from conveyor.model.config import ModelConfig
-from conveyor.model.gguf_file import QuantizedWeight, load_gguf_tokenizer
-from conveyor.model.sharding import _slice_blocks, kv_heads_per_rank, plan_shards
+from conveyor.model.gguf_file import load_gguf_tokenizer
+from conveyor.process import free_port
+from conveyor.worker.sharding import _slice_blocks, kv_heads_per_rank, plan_shards
+
+from server_process import child_pids, running_server
+from test_equivalence import random_prompts, run_conveyor, text_prompts
 
 SMOLLM2 = ModelConfig("llama", 49152, 576, 1536, 30, 9, 3, 64, 1e-5, 1e4, None, 2048, True,
                       False, False, None)

@@ -13,9 +13,8 @@ import json
 import math
 import os
 
-from conveyor.bench.launcher import ConveyorServer
 from conveyor.bench.serve import add_workload_args, benchmark, build_workload, served_model
-
+from conveyor.process import ConveyorServer
 
 DEFAULT_KV_MEMORY = "1GiB"  # for each server started: the same for every run, whatever is free
 

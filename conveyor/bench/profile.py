@@ -54,8 +54,8 @@ def grid_samples(args: argparse.Namespace) -> tuple[list, dict, int]:
     from conveyor.config import EngineConfig
     from conveyor.engine.engine import LLMEngine
     from conveyor.kernels import isa
-    from conveyor.model.runner import kv_bytes_per_block
     from conveyor.sampling_params import SamplingParams
+    from conveyor.worker.runner import kv_bytes_per_block
 
     batches, chunks = sorted(args.batch_sizes), sorted(args.prefill_chunks)
     longest = max(args.context_lens) + args.decode_steps + len(chunks) + 2
@@ -110,7 +110,7 @@ def live_server_samples(base_url: str) -> tuple[list, dict, int]:
     import torch
 
     from conveyor.model.loader import load_config
-    from conveyor.model.runner import kv_bytes_per_block
+    from conveyor.worker.runner import kv_bytes_per_block
 
     base = base_url.rstrip("/")
     steps = httpx.get(base + "/v1/engine/steps", params={"since": 0}, timeout=60)

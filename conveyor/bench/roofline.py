@@ -125,7 +125,7 @@ class RooflineCost:
         """bfloat16 K and V of every layer."""
         import torch
 
-        from conveyor.model.runner import kv_bytes_per_block
+        from conveyor.worker.runner import kv_bytes_per_block
 
         return kv_bytes_per_block(self.model, 1, torch.bfloat16)
 

@@ -14,16 +14,27 @@ import os
 import random
 import time
 
-from conveyor.bench.compare import (DEFAULT_KV_MEMORY, add_batching_args, format_table,
-                                    policy_ratios, write_summary)
+from conveyor.bench.compare import (
+    DEFAULT_KV_MEMORY,
+    add_batching_args,
+    format_table,
+    policy_ratios,
+    write_summary,
+)
 from conveyor.bench.cost_model import FittedCost
 from conveyor.bench.datasets import read_jsonl
 from conveyor.bench.metrics import parse_goodput
 from conveyor.bench.roofline import RooflineCost, accelerator, model_config
-from conveyor.bench.serve import (add_workload_args, arrival_gaps, build_workload,
-                                  parse_selection, report, save_result)
+from conveyor.bench.serve import (
+    add_workload_args,
+    arrival_gaps,
+    build_workload,
+    parse_selection,
+    report,
+    save_result,
+)
 from conveyor.bench.simulator import EngineSettings, SimulatedRequest, Simulator
-from conveyor.engine.scheduler import SchedulerConfig
+from conveyor.core.scheduler import SchedulerConfig
 from conveyor.model.config import ModelConfig
 
 TRACE_BLOCK_TOKENS = 512  # tokens each of a Mooncake trace's hash_ids stands for

@@ -16,10 +16,10 @@ from dataclasses import dataclass, field
 
 from conveyor.bench.client import RequestResult
 from conveyor.bench.cost_model import StepShape
-from conveyor.engine.kv_cache_manager import make_kv_cache_manager
-from conveyor.engine.request import Request
-from conveyor.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput, samples
-from conveyor.engine.timeline import StepRecord
+from conveyor.core.kv_cache_manager import make_kv_cache_manager
+from conveyor.core.request import Request
+from conveyor.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput, samples
+from conveyor.core.timeline import StepRecord
 from conveyor.sampling_params import SamplingParams
 
 SIMULATED_TOKEN = 0  # what every simulated step "samples": no request stops on it early
@@ -128,12 +128,7 @@ class Simulator:
                         slots.append(self.now)
                     self._finish(sim.results[index[request.request_id]],
                                  token_times.pop(request.request_id))
-            pool = scheduler.kv.pool
-            sim.steps.append(StepRecord(
-                len(sim.steps), self.now, duration, shape.num_seqs, len(scheduler.running),
-                len(scheduler.waiting), shape.num_prefill_tokens, shape.num_decode_tokens,
-                shape.num_context_tokens, shape.num_attention_pairs, pool.num_used_blocks,
-                pool.num_cached_free_blocks, len(plan.preempted)))
+            sim.steps.append(StepRecord.of(len(sim.steps), self.now, duration, scheduler, plan))
             if on_step is not None:
                 on_step(plan, finished)
         first = min((r.arrival for r in requests), default=0.0)

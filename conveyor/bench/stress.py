@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from conveyor.bench.launcher import ConveyorServer
+from conveyor.process import ConveyorServer
 
 PROMPTS = ["The capital of France is", "Write a haiku about rivers.", "List three fruits:",
            "Explain continuous batching in one sentence.", "Once upon a time", "2 + 2 ="]

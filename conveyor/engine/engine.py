@@ -17,18 +17,18 @@ import jinja2
 import torch
 
 from conveyor.config import EngineConfig
+from conveyor.core.grammar import GrammarCompiler, UnsatisfiableConstraint, consume
+from conveyor.core.kv_cache_manager import make_kv_cache_manager
+from conveyor.core.request import Request, RequestStatus
+from conveyor.core.scheduler import Scheduler, SchedulerConfig
+from conveyor.core.timeline import BatchTimeline, StepRecord
+from conveyor.engine import faults
 from conveyor.engine.detokenizer import IncrementalDetokenizer
-from conveyor.engine.faults import FAULTS, EngineKilled, InjectedFault, fault_for
-from conveyor.engine.grammar import GrammarCompiler, UnsatisfiableConstraint, consume
-from conveyor.engine.kv_cache_manager import make_kv_cache_manager
-from conveyor.engine.parallel import TensorParallel
-from conveyor.engine.request import Request, RequestStatus
-from conveyor.engine.scheduler import Scheduler, SchedulerConfig
-from conveyor.engine.timeline import BatchTimeline, StepRecord
 from conveyor.model.loader import load_model
-from conveyor.model.runner import ModelRunner, kv_bytes_per_block
 from conveyor.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from conveyor.sampling_params import SamplingParams
+from conveyor.worker.runner import ModelRunner, kv_bytes_per_block
+from conveyor.worker.tensor_parallel import TensorParallel
 
 logger = logging.getLogger("conveyor")
 
@@ -99,6 +99,7 @@ class LLMEngine:
         self.steps: deque[StepRecord] = deque(maxlen=STEP_HISTORY)
         self.num_steps = 0
         self.timeline = BatchTimeline(config.max_num_seqs)
+        faults.install(self)  # (only under CONVEYOR_FAULT_INJECTION, for tests)
         # The model, tokenizer and libraries loaded so far are permanent: moved out of the
         # cycle collector's sight, its collections only walk what the steps create (they were
         # ~5% of a one-request step here), as vLLM's engine does after start-up.
@@ -242,9 +243,6 @@ class LLMEngine:
         if request_id in self._states:
             raise ValueError(f"request id {request_id!r} is already in use")
         text, ids = self.check_request(prompt, params)
-        fault = fault_for(text if text is not None or not FAULTS else self.tokenizer.decode(ids))
-        if fault == "engine":
-            raise EngineKilled(f"fault injected: the engine dies on request {request_id}")
         arrival = time.monotonic() if arrival_time is None else arrival_time
         state = _RequestState(request_id, text, ids, [])
         for i in range(params.n):
@@ -252,7 +250,6 @@ class LLMEngine:
                 params, n=1, seed=None if params.seed is None else params.seed + i)
             sample_id = request_id if params.n == 1 else f"{i}_{request_id}"
             request = Request(sample_id, ids, sample_params, self.eos_token_ids, arrival, priority)
-            request.fault = fault
             if params.structured_outputs is not None:
                 request.grammar = self.grammars.matcher(params.structured_outputs)
             if state.samples and self.config.enable_prefix_caching:
@@ -303,8 +300,9 @@ class LLMEngine:
         before = (0.0, 0.0) if tp is None else (tp.all_reduce_seconds, tp.communication_seconds)
         results = self.runner.execute(sched)
         now = time.monotonic()
-        talk = (0.0, 0.0) if tp is None else (tp.all_reduce_seconds - before[0],
-                                              tp.communication_seconds - before[1])
+        talk = {} if tp is None else dict(
+            all_reduce_seconds=tp.all_reduce_seconds - before[0],
+            communication_seconds=tp.communication_seconds - before[1])
         self.timeline.record_step(self.num_steps, start, now, sched.scheduled, sched.preempted)
         advanced = self.scheduler.update_from_output(
             sched, {rid: r.token_id for rid, r in results.items() if r.error is None}, now)
@@ -333,12 +331,8 @@ class LLMEngine:
             if state.finished:
                 del self._states[state.request_id]
         end = time.monotonic()
-        pool = self.scheduler.kv.pool
-        self.steps.append(StepRecord(
-            self.num_steps, end, end - start, len(sched.scheduled), len(self.scheduler.running),
-            len(self.scheduler.waiting), sched.num_prefill_tokens, sched.num_decode_tokens,
-            sched.num_context_tokens, sched.num_attention_pairs, pool.num_used_blocks,
-            pool.num_cached_free_blocks, len(sched.preempted), *talk))
+        self.steps.append(StepRecord.of(self.num_steps, end, end - start, self.scheduler, sched,
+                                        **talk))
         self.num_steps += 1
         return outputs
 
@@ -351,8 +345,6 @@ class LLMEngine:
         if sample.logprobs is not None:
             sample.logprobs.append({tid: Logprob(lp, rank, self.tokenizer.decode([tid]))
                                     for tid, lp, rank in result.logprobs})
-        if request.fault == "detokenize":
-            raise InjectedFault(f"fault injected into the detokenizer of {request}")
         stop = sample.detokenizer.add_token(
             result.token_id,
             check_stop=request.num_output_tokens >= request.sampling_params.min_tokens)

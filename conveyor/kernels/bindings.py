@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from conveyor.model.gguf_file import BLOCK_TYPES, DENSE_TYPES, WIDE_SCALARS, QuantizedWeight
+from conveyor.kernels.blocks import BLOCK_TYPES, DENSE_TYPES, WIDE_SCALARS, QuantizedWeight
 
 SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float

@@ -13,10 +13,9 @@ import safetensors.torch
 import torch
 import transformers
 
+from conveyor.kernels.blocks import DENSE_TYPES, QuantizedWeight
 from conveyor.model.config import ModelConfig
 from conveyor.model.gguf_file import (
-    DENSE_TYPES,
-    QuantizedWeight,
     check_gguf_tensors,
     gguf_config,
     gguf_eos_token_ids,

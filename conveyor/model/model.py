@@ -16,12 +16,19 @@ import torch.nn.functional as F
 from torch import nn
 
 from conveyor.kernels import isa
-from conveyor.kernels.bindings import (AddRMSNorm, DecodeStack, DequantRows, QuantLinear,
-                                       SiluMul, StackLayer)
+from conveyor.kernels.bindings import (
+    AddRMSNorm,
+    DecodeStack,
+    DequantRows,
+    QuantLinear,
+    SiluMul,
+    StackLayer,
+)
+from conveyor.kernels.blocks import DENSE_TYPES, QuantizedWeight
 from conveyor.kernels.library import CPUKernels
 from conveyor.model.attention import AttentionMetadata, paged_attention, write_kv
 from conveyor.model.config import ModelConfig
-from conveyor.model.gguf_file import DENSE_TYPES, QuantizedWeight, matrices_by_type
+from conveyor.model.gguf_file import matrices_by_type
 
 logger = logging.getLogger("conveyor")
 

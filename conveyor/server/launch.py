@@ -8,17 +8,17 @@ supervisor to restart it.
 
 from __future__ import annotations
 
-import argparse
 import logging
 import os
 import signal
 
 import uvicorn
 
-from conveyor.cli import engine_config
+from conveyor.config import EngineConfig
 from conveyor.engine.engine import LLMEngine
 from conveyor.server.access import DEFAULT_MAX_BODY_BYTES, is_loopback
 from conveyor.server.app import build_app
+from conveyor.server.config import ServerConfig
 from conveyor.server.engine_thread import EngineThread
 from conveyor.server.metrics import ServerMetrics
 from conveyor.server.serving import ServerState
@@ -29,11 +29,11 @@ API_KEY_ENV = "CONVEYOR_API_KEY"  # the key out of `ps`
 logger = logging.getLogger("conveyor.server")
 
 
-def _ready_message(state: ServerState, args: argparse.Namespace) -> str:
+def _ready_message(state: ServerState, settings: ServerConfig) -> str:
     engine = state.engine
     kv = engine.scheduler.kv
     cfg = engine.config
-    return (f"ready on http://{args.host}:{args.port}: model {state.model_name} "
+    return (f"ready on http://{settings.host}:{settings.port}: model {state.model_name} "
             f"({engine.model_path}), dtype {str(engine.dtype).removeprefix('torch.')} "
             f"({engine.dtype_reason}), {engine.runner.kernel_path}, "
             f"{kv.pool.num_blocks} KV pages x {kv.block_size} tokens = "
@@ -42,63 +42,50 @@ def _ready_message(state: ServerState, args: argparse.Namespace) -> str:
             f"{cfg.scheduling_policy}, prefix caching "
             f"{'on' if cfg.enable_prefix_caching else 'off'}, max_num_seqs {cfg.max_num_seqs}, "
             f"max_num_batched_tokens {cfg.max_num_batched_tokens}, "
-            f"max_model_len {engine.max_model_len}, max_queue_len {args.max_queue_len}, "
-            f"max_concurrent_requests {args.max_concurrent_requests}, request_timeout "
-            f"{args.request_timeout}")
+            f"max_model_len {engine.max_model_len}, max_queue_len {settings.max_queue_len}, "
+            f"max_concurrent_requests {settings.max_concurrent_requests}, request_timeout "
+            f"{settings.request_timeout}")
 
 
-def _access_message(args: argparse.Namespace, api_key: str | None, dashboard_open: bool) -> str:
+def _access_message(settings: ServerConfig, api_key: str | None, dashboard_open: bool) -> str:
     key = (f"API key required on every route but /health and /metrics (from "
-           f"{'--api-key' if args.api_key else API_KEY_ENV})" if api_key else "no API key")
+           f"{'--api-key' if settings.api_key else API_KEY_ENV})" if api_key else "no API key")
     if api_key:
         page = "the dashboard needs the key too (open it as /dashboard#key=...)"
     elif dashboard_open:
-        page = ("the dashboard is public (--dashboard-public)" if args.dashboard_public
+        page = ("the dashboard is public (--dashboard-public)" if settings.dashboard_public
                 else "the dashboard is served (loopback host)")
     else:
         page = ("the dashboard is off: it shows prompt text, and this host is not loopback "
                 "(give --api-key or --dashboard-public)")
-    return f"{key}; {page}: http://{args.host}:{args.port}/dashboard"
+    return f"{key}; {page}: http://{settings.host}:{settings.port}/dashboard"
 
 
-def _check(args: argparse.Namespace) -> None:
-    for flag in ("max_queue_len", "max_concurrent_requests", "max_body_bytes"):
-        value = getattr(args, flag)
-        if value is not None and value < 1:
-            raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
-    if args.request_timeout is not None and args.request_timeout <= 0:
-        raise ValueError(f"--request-timeout must be > 0, got {args.request_timeout}")
-    if args.api_key == "":
-        raise ValueError("--api-key must not be empty")
+def serve(config: EngineConfig, settings: ServerConfig) -> None:
+    if config.data_parallel_size > 1:
+        from conveyor.server.data_parallel.front import serve_data_parallel
 
-
-def serve(args: argparse.Namespace) -> None:
-    _check(args)
-    if args.data_parallel_size > 1:
-        from conveyor.server.data_parallel import serve_data_parallel
-
-        return serve_data_parallel(args)
+        return serve_data_parallel(config, settings)
     logging.basicConfig(level=logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
-    dashboard_open = args.dashboard_public or is_loopback(args.host)
-    config = engine_config(args)
+    api_key = settings.api_key or os.environ.get(API_KEY_ENV) or None
+    dashboard_open = settings.dashboard_public or is_loopback(settings.host)
     server: uvicorn.Server | None = None
 
     def on_death() -> None:  # from the engine thread: stop serving, exit 1 below
         if server is not None:
             server.should_exit = True
 
-    engine_thread = EngineThread(lambda: LLMEngine(config), args.max_queue_len,
-                                 args.max_concurrent_requests, on_death)
+    engine_thread = EngineThread(lambda: LLMEngine(config), settings.max_queue_len,
+                                 settings.max_concurrent_requests, on_death)
     engine = engine_thread.engine
-    names = args.served_model_name or [engine.model_name]
+    names = settings.served_model_name or [engine.model_name]
     state = ServerState(engine, engine_thread, ServerMetrics(names[0]), names,
-                        args.request_timeout)
-    app = build_app(state, f"{_ready_message(state, args)}; "
-                           f"{_access_message(args, api_key, dashboard_open)}",
-                    api_key, dashboard_open, args.max_body_bytes or DEFAULT_MAX_BODY_BYTES)
-    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port,
+                        settings.request_timeout)
+    app = build_app(state, f"{_ready_message(state, settings)}; "
+                           f"{_access_message(settings, api_key, dashboard_open)}",
+                    api_key, dashboard_open, settings.max_body_bytes or DEFAULT_MAX_BODY_BYTES)
+    server = uvicorn.Server(uvicorn.Config(app, host=settings.host, port=settings.port,
                                            log_level="info",
                                            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S))
     # uvicorn re-raises the signal it drained on; absorbing that re-raise makes the exit 0.

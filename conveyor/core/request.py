@@ -52,7 +52,6 @@ class Request:
         self.status = RequestStatus.WAITING
         self.stop_reason: str | int | None = None
         self.metrics = RequestMetrics(arrival_time=arrival_time)
-        self.fault: str | None = None  # a fault injected on purpose (engine/faults.py)
         # structured outputs: the matcher of its constraint, advanced by each sampled token
         self.grammar = None
 

@@ -15,8 +15,8 @@ import itertools
 from collections import deque
 from dataclasses import dataclass, field
 
-from conveyor.engine.kv_cache_manager import KVCacheManager
-from conveyor.engine.request import Request, RequestStatus
+from conveyor.core.kv_cache_manager import KVCacheManager
+from conveyor.core.request import Request, RequestStatus
 
 POLICIES = ("continuous", "static")
 SCHEDULING_POLICIES = ("fcfs", "priority")

@@ -21,8 +21,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from conveyor.bench.launcher import free_port
 from conveyor.config import EngineConfig
+from conveyor.process import free_port
 
 logger = logging.getLogger("conveyor")
 
@@ -174,7 +174,7 @@ def run_worker(config: EngineConfig, rank: int | None = None, init_method: str |
     """A rank above 0: its shard of the model, then every step's plan until told to stop.
     Without arguments, the rank and group come from torchrun's environment."""
     from conveyor.model.loader import load_model
-    from conveyor.model.runner import ModelRunner
+    from conveyor.worker.runner import ModelRunner
 
     logging.basicConfig(level=logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")

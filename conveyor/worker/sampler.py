@@ -4,7 +4,6 @@ tokens do not depend on what else is in the batch."""
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -14,8 +13,7 @@ import torch
 Draw = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                  torch.Tensor], torch.Tensor]
 
-from conveyor.engine.faults import InjectedFault
-from conveyor.engine.request import Request
+from conveyor.core.request import Request
 
 _NEG_INF = float("-inf")
 
@@ -93,9 +91,6 @@ class Sampler:
         """logits: [B, V] float32, one row per request, in the same order. A row that is not
         finite (NaN or inf from the model) or fails is that request's error, not the batch's.
         ``grammar``: structured outputs' allowed tokens, applied before any other rule."""
-        if any(r.fault == "nan_logits" for r in requests):
-            logits = logits.clone()
-            logits[[i for i, r in enumerate(requests) if r.fault == "nan_logits"]] = math.nan
         broken = (~torch.isfinite(logits.sum(dim=-1))).nonzero().flatten().tolist()
         if broken:  # sampled as zeros (harmless), reported as errors
             logits = logits.clone()
@@ -127,8 +122,6 @@ class Sampler:
         results = []
         for i, (tok, k) in enumerate(zip(token_list, want_logprobs)):
             try:
-                if requests[i].fault == "sample":
-                    raise InjectedFault(f"fault injected into the sampling of {requests[i]}")
                 results.append(SampleResult(tok, None if k is None
                                             else _logprobs(raw_logprobs[i], tok, k)))
             except Exception as e:  # this row's failure is its own

@@ -15,8 +15,8 @@ from array import array
 from collections import deque
 from dataclasses import dataclass
 
-from conveyor.engine.request import Request
-from conveyor.engine.scheduler import is_decode
+from conveyor.core.request import Request
+from conveyor.core.scheduler import Scheduler, SchedulerOutput, is_decode
 
 BATCH_HISTORY = 4096   # steps whose seating is kept
 EVENT_HISTORY = 16384  # arrivals, preemptions, finishes kept
@@ -45,6 +45,22 @@ class StepRecord:
     # the plan's broadcast, the logits' gather)
     all_reduce_seconds: float = 0.0
     communication_seconds: float = 0.0
+
+    @classmethod
+    def of(cls, step: int, time: float, duration: float, scheduler: Scheduler,
+           plan: SchedulerOutput, **communication: float) -> StepRecord:
+        """The record of a step the scheduler planned as ``plan``, taken after its update (the
+        engine's steps and the simulator's alike)."""
+        pool = scheduler.kv.pool
+        return cls(step=step, time=time, duration=duration, num_scheduled=len(plan.scheduled),
+                   num_running=len(scheduler.running), num_waiting=len(scheduler.waiting),
+                   num_prefill_tokens=plan.num_prefill_tokens,
+                   num_decode_tokens=plan.num_decode_tokens,
+                   num_context_tokens=plan.num_context_tokens,
+                   num_attention_pairs=plan.num_attention_pairs,
+                   kv_pages_used=pool.num_used_blocks,
+                   kv_pages_cached=pool.num_cached_free_blocks,
+                   num_preemptions=len(plan.preempted), **communication)
 
 
 @dataclass(frozen=True)

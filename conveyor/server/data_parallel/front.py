@@ -8,7 +8,6 @@ A replica that exits takes the front down (exit 1), as a dead engine does a sing
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import logging
@@ -17,6 +16,7 @@ import signal
 import sys
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from dataclasses import replace
 
 import httpx
 import uvicorn
@@ -27,34 +27,27 @@ from prometheus_client.core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 from starlette.background import BackgroundTask
 
-from conveyor.bench.launcher import ConveyorServer
-from conveyor.cli import engine_config
-from conveyor.engine.parallel import launched_by_torchrun
+from conveyor.config import EngineConfig
 from conveyor.model.loader import load_tokenizer
+from conveyor.process import ConveyorServer
+from conveyor.server.config import ServerConfig
+from conveyor.server.data_parallel.router import Router
 from conveyor.server.errors import APIError
-from conveyor.server.router import Router
+from conveyor.settings import to_flags
+from conveyor.worker.tensor_parallel import launched_by_torchrun
 
 logger = logging.getLogger("conveyor.server")
 
 ROUTED = ("/v1/completions", "/v1/chat/completions")
 # Hop-by-hop headers, and those the proxy recomputes.
 _DROP = {"host", "content-length", "connection", "keep-alive", "transfer-encoding", "upgrade"}
-_OWN_FLAGS = {"--data-parallel-size": 1, "-dp": 1, "--port": 1, "--host": 1}
 
 
-def replica_flags(argv: list[str], threads: int | None) -> list[str]:
-    """The front's command line for a replica: without the flags the front keeps for itself."""
-    flags, skip = [], 0
-    for arg in argv:
-        if skip:
-            skip -= 1
-        elif arg in _OWN_FLAGS:
-            skip = _OWN_FLAGS[arg]
-        elif not any(arg.startswith(f"{flag}=") for flag in _OWN_FLAGS):
-            flags.append(arg)
-    if threads is not None and "--threads" not in flags:
-        flags += ["--threads", str(threads)]
-    return [*flags, "--host", "127.0.0.1"]
+def replica_flags(engine: EngineConfig, server: ServerConfig, threads: int | None) -> list[str]:
+    """A replica's ``conveyor serve`` flags: the front's settings, one replica, on loopback
+    (its port is its own)."""
+    return (to_flags(replace(engine, data_parallel_size=1, threads=engine.threads or threads))
+            + to_flags(replace(server, host="127.0.0.1", port=ServerConfig.port)))
 
 
 class ReplicaCollector:
@@ -191,20 +184,18 @@ def build_front(replicas: list[ConveyorServer], router: Router, tokenizer,
     return app
 
 
-def serve_data_parallel(args: argparse.Namespace) -> None:
+def serve_data_parallel(engine: EngineConfig, settings: ServerConfig) -> None:
     logging.basicConfig(level=logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # (a line per proxied request)
-    engine_config(args)  # the flags checked once here, not in every replica's log
     if launched_by_torchrun():
         raise ValueError("--data-parallel-size starts its replicas itself: run it without "
                          "torchrun")
-    n = args.data_parallel_size
+    n = engine.data_parallel_size
     # each replica's ranks get the machine's cores shared out, unless --threads says
-    threads = None if args.threads else max(
-        1, (os.cpu_count() or 1) // (n * args.tensor_parallel_size))
-    flags = replica_flags(args.argv[args.argv.index("serve") + 1:], threads)
-    tokenizer = load_tokenizer(args.model)
+    threads = max(1, (os.cpu_count() or 1) // (n * engine.tensor_parallel_size))
+    flags = replica_flags(engine, settings, threads)
+    tokenizer = load_tokenizer(engine.model)
     replicas = [ConveyorServer(flags, None) for _ in range(n)]
     for r in replicas:  # all load at once
         r.start()
@@ -229,12 +220,12 @@ def serve_data_parallel(args: argparse.Namespace) -> None:
                     server.should_exit = True
         return death[0] if death else None
 
-    app = build_front(replicas, Router(n, args.block_size), tokenizer, check_replicas)
-    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port,
+    app = build_front(replicas, Router(n, engine.block_size), tokenizer, check_replicas)
+    server = uvicorn.Server(uvicorn.Config(app, host=settings.host, port=settings.port,
                                            log_level="info"))
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: None)
-    logger.info("ready on http://%s:%d: %d data-parallel replicas of %s", args.host, args.port,
+    logger.info("ready on http://%s:%d: %d data-parallel replicas of %s", settings.host, settings.port,
                 n, " ".join(flags))
     try:
         server.run()

@@ -20,8 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
+from conveyor.kernels.blocks import QuantizedWeight
 from conveyor.model.config import ModelConfig
-from conveyor.model.gguf_file import QuantizedWeight
 
 logger = logging.getLogger("conveyor")
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import heapq
 
-from conveyor.engine.block_pool import BlockHash, BlockPool, hash_block
-from conveyor.engine.request import Request
+from conveyor.core.block_pool import BlockHash, BlockPool, hash_block
+from conveyor.core.request import Request
 
 
 def cdiv(a: int, b: int) -> int:

@@ -8,19 +8,18 @@ from dataclasses import dataclass, field
 
 import torch
 
-from conveyor.engine.grammar import BatchBitmask, bitmask_width
-from conveyor.engine.parallel import TensorParallel
-from conveyor.engine.request import Request
-from conveyor.engine.scheduler import SchedulerOutput, samples
+from conveyor.core.grammar import BatchBitmask, bitmask_width
+from conveyor.core.request import Request
+from conveyor.core.scheduler import SchedulerOutput, samples
+from conveyor.kernels.blocks import QuantizedWeight
 from conveyor.kernels.library import cpu_kernels, describe
 from conveyor.model import huge_pages
 from conveyor.model.attention import AttentionMetadata, DecodeGroup, PrefillChunk
 from conveyor.model.config import ModelConfig
-from conveyor.model.gguf_file import QuantizedWeight
 from conveyor.model.model import Transformer, rope_tables
-from conveyor.model.sampler import GrammarMask, SampleResult, Sampler
-from conveyor.model.sharding import ffn_granule, kv_heads_per_rank, plan_shards, shard_model
-
+from conveyor.worker.sampler import GrammarMask, Sampler, SampleResult
+from conveyor.worker.sharding import ffn_granule, kv_heads_per_rank, plan_shards, shard_model
+from conveyor.worker.tensor_parallel import TensorParallel
 
 # A chunk's tokens go through the decode kernel as queries of their own (see ModelRunner.plan)
 # while their attention work, the contexts its tokens read, is at most this (in the model's

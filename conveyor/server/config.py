@@ -1,0 +1,39 @@
+"""The server's settings (beside the engine's ``EngineConfig``): the ``conveyor serve`` flags."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from conveyor.settings import setting
+
+
+@dataclass
+class ServerConfig:
+    host: str = setting("127.0.0.1", "the address to listen on")
+    port: int = setting(8000, "the port to listen on")
+    served_model_name: list[str] | None = setting(
+        None, "model name(s) the API answers to (default: the model's own)")
+    max_queue_len: int | None = setting(
+        None, "answer 503 when this many requests wait (default: no limit)")
+    max_concurrent_requests: int | None = setting(
+        None, "answer 429 when this many HTTP requests are in flight (TGI's; default: no limit)")
+    request_timeout: float | None = setting(
+        None, "end a request that runs longer (408); a request's own `timeout` may be shorter "
+              "(default: none)", metavar="SECONDS")
+    max_body_bytes: int | None = setting(
+        None, "answer 413 to a larger request body (default: 16 MiB)")
+    api_key: str | None = setting(
+        None, "require 'Authorization: Bearer KEY' on every route but /health and /metrics (or "
+              "set CONVEYOR_API_KEY, which keeps it out of ps)")
+    dashboard_public: bool = setting(
+        False, "serve the dashboard (it shows prompts) without a key on a non-loopback host")
+
+    def __post_init__(self) -> None:
+        for name in ("max_queue_len", "max_concurrent_requests", "max_body_bytes"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+        if self.request_timeout is not None and self.request_timeout <= 0:
+            raise ValueError(f"--request-timeout must be > 0, got {self.request_timeout}")
+        if self.api_key == "":
+            raise ValueError("--api-key must not be empty")
