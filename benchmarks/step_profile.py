@@ -43,7 +43,7 @@ from conveyor.model import model as model_module  # noqa: E402
 from conveyor.kernels import isa  # noqa: E402
 from conveyor.kernels.bindings import DequantRows  # noqa: E402
 from conveyor.kernels.library import fma_peak, load_library  # noqa: E402
-from conveyor.model.model import can_prepack  # noqa: E402
+from conveyor.model.backend import can_prepack  # noqa: E402
 from conveyor.sampling_params import SamplingParams  # noqa: E402
 
 

@@ -57,7 +57,7 @@ def _env(args: argparse.Namespace) -> None:
     from conveyor import __version__
     from conveyor.kernels import build, isa
     from conveyor.kernels.library import cpu_kernels, describe
-    from conveyor.model.model import can_prepack
+    from conveyor.model.backend import can_prepack
 
     config = EngineConfig(dtype=args.dtype, device=args.device)
     device = config.torch_device()
@@ -75,9 +75,9 @@ def _env(args: argparse.Namespace) -> None:
 
 
 def _serve(args: argparse.Namespace) -> None:
-    from conveyor.server.launch import serve  # uvicorn and FastAPI load only when serving
+    from conveyor.server.launch import run_server  # uvicorn and FastAPI load only when serving
 
-    serve(from_namespace(EngineConfig, args), from_namespace(ServerConfig, args))
+    run_server(from_namespace(EngineConfig, args), from_namespace(ServerConfig, args))
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -11,7 +11,7 @@ import torch
 
 from conveyor.config import EngineConfig
 from conveyor.kernels import build, isa
-from conveyor.model import model as model_module
+from conveyor.model import backend
 
 AVX2 = frozenset("sse4_2 avx avx2 fma f16c bmi2".split())            # AMD EPYC (Zen 2-3)
 SKYLAKE_X = AVX2 | {"avx512f", "avx512bw", "avx512vl", "avx512dq"}  # AVX-512, no BF16
@@ -82,7 +82,7 @@ def test_dtype_auto_follows_the_tier(cpu_of, flags, forced, dtype):
     assert ("natively" in config.dtype_reason(None, CPU)) == (dtype == torch.bfloat16)
     # oneDNN's bfloat16 prepacking only where the tier computes bfloat16
     if dtype == torch.float32:
-        assert not model_module.can_prepack(CPU, torch.bfloat16)
+        assert not backend.can_prepack(CPU, torch.bfloat16)
 
 
 def test_explicit_bfloat16_without_it_is_refused_in_one_line(cpu_of):

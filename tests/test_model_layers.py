@@ -6,7 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conveyor.model.model import Linear, can_prepack
+from conveyor.model.backend import can_prepack
+from conveyor.model.model import Linear
 
 pytestmark = pytest.mark.skipif(
     not can_prepack(torch.device("cpu"), torch.bfloat16),

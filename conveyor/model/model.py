@@ -7,7 +7,6 @@ keeps its parts, each a run of output rows of the kernel's call).
 
 from __future__ import annotations
 
-import logging
 import math
 from collections.abc import Callable
 
@@ -15,22 +14,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from conveyor.kernels import isa
-from conveyor.kernels.bindings import (
-    AddRMSNorm,
-    DecodeStack,
-    DequantRows,
-    QuantLinear,
-    SiluMul,
-    StackLayer,
-)
-from conveyor.kernels.blocks import DENSE_TYPES, QuantizedWeight
-from conveyor.kernels.library import CPUKernels
+from conveyor.kernels.bindings import AddRMSNorm, DecodeStack, DequantRows, QuantLinear, SiluMul
+from conveyor.kernels.blocks import QuantizedWeight
 from conveyor.model.attention import AttentionMetadata, paged_attention, write_kv
 from conveyor.model.config import ModelConfig
-from conveyor.model.gguf_file import matrices_by_type
-
-logger = logging.getLogger("conveyor")
 
 # The matmuls run fused, one per group: the fused name and its parts, in order.
 FUSED = {"attention.wqkv": ("attention.wq", "attention.wk", "attention.wv"),
@@ -40,9 +27,9 @@ FUSED = {"attention.wqkv": ("attention.wq", "attention.wk", "attention.wv"),
 class Linear(nn.Linear):
     """``nn.Linear`` whose weight is either read from its GGUF blocks by the CPU kernel (then
     there is no dense weight at all), or dense, and then possibly reordered once into oneDNN's
-    blocked layout: on the CPU in bfloat16 the prepacked matmul is 1.4-2.3x faster at the row
-    counts a step has (1-64) and gives the same bits as ``F.linear`` (checked in
-    tests/test_model_layers.py)."""
+    blocked layout: on the CPU in bfloat16 the prepacked matmul is faster at the row counts a
+    step has (1-64; docs/results/design-notes#prepacked-linear) and gives the same bits as
+    ``F.linear`` (checked in tests/test_model_layers.py)."""
 
     packed: torch.Tensor | None = None
     # The weight in GGUF blocks: runs of output rows (a fused linear's parts), one call each.
@@ -64,14 +51,6 @@ class Linear(nn.Linear):
         if self.packed is None:
             return F.linear(x, self.weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
-
-
-def can_prepack(device: torch.device, dtype: torch.dtype) -> bool:
-    """oneDNN's bfloat16 prepacking needs a CPU tier with bfloat16 arithmetic (it refuses
-    others, and a forced lower tier must behave as such a CPU) and oneDNN's own say-so."""
-    return (device.type == "cpu" and dtype == torch.bfloat16 and isa.current().native_bf16
-            and torch.backends.mkldnn.is_available()
-            and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 class RMSNorm(nn.Module):
@@ -219,7 +198,8 @@ class TransformerBlock(nn.Module):
 
 
 class Transformer(nn.Module):
-    """Build it on the meta device (no memory), then ``load`` its weights."""
+    """Build it on the meta device (no memory), then place its weights and backend with
+    ``conveyor.model.backend.apply_backend``."""
 
     def __init__(self, config: ModelConfig, head_rows: int | None = None) -> None:
         """head_rows: the output matrix's rows where not the vocabulary (a tensor-parallel
@@ -272,108 +252,3 @@ class Transformer(nn.Module):
             return torch.ops.mkldnn._linear_pointwise(hidden, self.packed_head, None, "none", [],
                                                       "").float()
         return F.linear(hidden, self.tok_embeddings.weight).float()
-
-    @torch.no_grad()
-    def load(self, weights: dict[str, torch.Tensor], quantized: dict[str, QuantizedWeight], *,
-             dtype: torch.dtype, device: torch.device, kernels: CPUKernels | None) -> None:
-        """Place the loader-named tensors (``LoadedModel``'s ``weights`` and ``quantized``) in
-        this model, built on the meta device. A matrix whose blocks the CPU kernels read (all of
-        a fused group's parts) is read from them at every row count and never made dense; the
-        embedding too, a step's rows at a time. Every other tensor is made dense in the model
-        dtype one at a time (fused groups concatenated), and in bfloat16 on the CPU prepacked
-        for oneDNN. One line names the matrices that run dense for want of a kernel."""
-        kernel = kernels.quant_linear if kernels is not None else None
-        prepack = can_prepack(device, dtype)
-        unread: list[tuple[str, int]] = []  # matrices in blocks the kernel does not read
-
-        def dense(name: str) -> torch.Tensor:
-            w = weights[name] if name in weights else quantized[name].dequantize()
-            return w.to(dtype=dtype, device=device)
-
-        def blocks(names: list[str]) -> tuple[QuantizedWeight, ...] | None:
-            """The parts' blocks as the kernel reads them, or None (then they run dense)."""
-            found = [quantized.get(name) for name in names]
-            if kernel is not None and all(q is not None and q.ggml_type in kernel.types
-                                          for q in found):
-                runs = tuple(kernel.in_format(q) for q in found)
-                for q, run in zip(found, runs):
-                    if run is not q and q.release is not None:  # a copy in the kernel's format
-                        q.release()
-                return runs
-            unread.extend((n, q.ggml_type) for n, q in zip(names, found) if q is not None
-                          and q.ggml_type not in DENSE_TYPES.values())
-            return None
-
-        def place(module: Linear, prefixes: list[str]) -> None:
-            runs = blocks([p + ".weight" for p in prefixes])
-            if runs is not None:
-                module.quantized, module.quant_linear = runs, kernel
-                module.weight = nn.Parameter(torch.empty(0, dtype=dtype, device=device),
-                                             requires_grad=False)
-            else:
-                module.weight = nn.Parameter(torch.cat([dense(p + ".weight") for p in prefixes]),
-                                             requires_grad=False)
-                if prepack:
-                    module.prepack()
-            if module.bias is not None:
-                module.bias = nn.Parameter(torch.cat([dense(p + ".bias") for p in prefixes]),
-                                           requires_grad=False)
-
-        for i, layer in enumerate(self.layers):
-            for local, module in layer.named_modules():
-                if isinstance(module, Linear):
-                    place(module, [f"layers.{i}.{part}" for part in FUSED.get(local, (local,))])
-                elif isinstance(module, RMSNorm):
-                    module.weight = nn.Parameter(dense(f"layers.{i}.{local}.weight"),
-                                                 requires_grad=False)
-        self.norm.weight = nn.Parameter(dense("norm.weight"), requires_grad=False)
-        if self.output is not None:
-            place(self.output, ["output"])
-        embedding = "tok_embeddings.weight"
-        table = blocks([embedding]) if kernels is not None else None
-        if table is not None:
-            self.embedding_blocks, self.embedding_rows = table[0], kernels.dequant_rows
-            if self.output is None:
-                self.head_blocks, self.head_kernel = table[0], kernel
-            self.tok_embeddings.weight = nn.Parameter(torch.empty(0, dtype=dtype, device=device),
-                                                      requires_grad=False)
-        else:
-            self.tok_embeddings.weight = nn.Parameter(dense(embedding), requires_grad=False)
-            if self.output is None and prepack:
-                self.packed_head = torch.ops.mkldnn._reorder_linear_weight(
-                    self.tok_embeddings.weight, 64)
-        if unread:
-            logger.info("the %s block linears do not read these types; they run as dense "
-                        "weights: %s", str(dtype).removeprefix("torch."), matrices_by_type(unread))
-        assert not any(p.is_meta for p in self.parameters()), "a weight was not placed"
-
-    def use_all_reduce(self, all_reduce: Callable[[torch.Tensor], None]) -> None:
-        """This rank holds a tensor-parallel shard: sum the attention and feed-forward outputs
-        over the ranks (2 all-reduces a layer)."""
-        for layer in self.layers:
-            layer.all_reduce = all_reduce
-
-    def use_elementwise_kernels(self, kernels: CPUKernels) -> None:
-        """Run the residual-stream norms (not Qwen3's per-head q/k norms) and SiLU(gate) * up
-        with the CPU kernels."""
-        for layer in self.layers:
-            layer.attention_norm.fused = layer.ffn_norm.fused = kernels.add_rms_norm
-            layer.feed_forward.silu_mul = kernels.silu_mul
-        self.norm.fused = kernels.add_rms_norm
-
-    def use_decode_stack(self, kernels: CPUKernels,
-                         kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Run a step of a few decodes through all layers in one kernel call, when every layer
-        is what that kernel computes (no q/k norms, every linear in GGUF blocks)."""
-        linears = [m for layer in self.layers for m in layer.modules() if isinstance(m, Linear)]
-        if self.config.qk_norm or any(m.quantized is None for m in linears):
-            return
-        c = self.config
-        self.decode_stack = kernels.decode_stack(
-            [StackLayer(layer.attention_norm.weight, layer.ffn_norm.weight,
-                        layer.attention.wqkv.quantized, layer.attention.wo.quantized,
-                        layer.feed_forward.w13.quantized, layer.feed_forward.w2.quantized,
-                        layer.attention.wqkv.bias, *kv_cache)
-             for layer, kv_cache in zip(self.layers, kv_caches)],
-            heads=c.num_heads, kv_heads=c.num_kv_heads, head_dim=c.head_dim,
-            intermediate=c.intermediate_size, eps=c.rms_norm_eps)

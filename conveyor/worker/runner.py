@@ -15,6 +15,7 @@ from conveyor.kernels.blocks import QuantizedWeight
 from conveyor.kernels.library import cpu_kernels, describe
 from conveyor.model import huge_pages
 from conveyor.model.attention import AttentionMetadata, DecodeGroup, PrefillChunk
+from conveyor.model.backend import apply_backend
 from conveyor.model.config import ModelConfig
 from conveyor.model.model import Transformer, rope_tables
 from conveyor.worker.sampler import GrammarMask, Sampler, SampleResult
@@ -24,10 +25,8 @@ from conveyor.worker.tensor_parallel import TensorParallel
 # A chunk's tokens go through the decode kernel as queries of their own (see ModelRunner.plan)
 # while their attention work, the contexts its tokens read, is at most this (in the model's
 # dtype). Each query reads its whole context, where SDPA reads a block of queries' context once;
-# but the step is then one decode-stack call. bfloat16 (AVX-512/AMX): alone, a prompt's prefill
-# step took 0.7x the time at 40 tokens, 0.8-0.95x at 140, 1.0-1.15x at 300 and 1.25-1.4x at 500;
-# float32 (AVX2): 0.89-0.92x from 40 to 500 tokens, alone or beside 31 decodes, 1.05x at 1000
-# (alternated runs).
+# but the step is then one decode-stack call: faster for short chunks, slower past these bounds
+# (docs/results/design-notes#unified-chunks).
 UNIFIED_CHUNK_WORK = {torch.bfloat16: 256 * 257 // 2, torch.float32: 512 * 513 // 2}
 
 # A decode group is cut where a context needs this many times the pages of the group's shortest
@@ -98,12 +97,13 @@ class ModelRunner:
         kernels = cpu_kernels(device, dtype, config.head_dim)
         with torch.device("meta"):
             self.model = Transformer(config, head_rows)
-        self.model.load(weights, quantized or {}, dtype=dtype, device=device, kernels=kernels)
-        self.model.eval()
         shape = (num_blocks, block_size, config.num_kv_heads, config.head_dim)
         self.kv_caches = [(huge_pages.zeros(shape, dtype, device),
                            huge_pages.zeros(shape, dtype, device))
                           for _ in range(config.num_layers)]
+        apply_backend(self.model, weights, quantized or {}, dtype=dtype, device=device,
+                      kernels=kernels, kv_caches=self.kv_caches,
+                      all_reduce=None if tensor_parallel is None else tensor_parallel.all_reduce)
         self.cos, self.sin = rope_tables(config, max_model_len, dtype, device)
         self.kernel_path = describe(device, dtype, config.head_dim, kernels)
         self.sampler = (Sampler(config.vocab_size, device, seed) if kernels is None else
@@ -113,12 +113,6 @@ class ModelRunner:
         self.rope_kv_write = kernels.rope_kv_write if kernels is not None else None
         self._bitmask = BatchBitmask()
         self._bitmask_thread = ThreadPoolExecutor(1, thread_name_prefix="conveyor-bitmask")
-        if tensor_parallel is not None:
-            self.model.use_all_reduce(tensor_parallel.all_reduce)
-        if kernels is not None:
-            self.model.use_elementwise_kernels(kernels)
-            if tensor_parallel is None:  # (its one call runs every layer: no all-reduce)
-                self.model.use_decode_stack(kernels, self.kv_caches)
 
     def _tensor(self, data: list, dtype: torch.dtype = torch.long) -> torch.Tensor:
         return torch.tensor(data, dtype=dtype, device=self.device)
@@ -140,8 +134,7 @@ class ModelRunner:
         # Where the whole step fits the one-call decode stack and no chunk reads much context,
         # the chunks' tokens join the decodes as queries of their own, each attending to the
         # context up to itself (causal by its context length): one C call for the step instead
-        # of the layers one by one (a step of 31 decodes and a 131-token prompt: 0.88-0.9x the
-        # time).
+        # of the layers one by one (docs/results/design-notes#unified-chunks).
         unified = (stack is not None and chunks
                    and len(decodes) + sum(n for _, n in chunks) <= stack.max_rows
                    and all(n * (2 * r.num_computed_tokens + n + 1) // 2

@@ -1,0 +1,157 @@
+"""Backend choices for a built ``Transformer``, applied by one function, ``apply_backend``, in one
+order: weights placed (read from their GGUF blocks by the CPU kernels, or dense, and in bfloat16
+on the CPU prepacked for oneDNN), then the fused elementwise kernels, then the tensor-parallel
+all-reduce or the one-call decode stack. The network itself (``model.py``) only has the slots
+these fill."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from conveyor.kernels import isa
+from conveyor.kernels.bindings import StackLayer
+from conveyor.kernels.blocks import DENSE_TYPES, QuantizedWeight
+from conveyor.kernels.library import CPUKernels
+from conveyor.model.gguf_file import matrices_by_type
+from conveyor.model.model import FUSED, Linear, RMSNorm, Transformer
+
+logger = logging.getLogger("conveyor")
+
+KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+@torch.no_grad()
+def apply_backend(model: Transformer, weights: dict[str, torch.Tensor],
+                  quantized: dict[str, QuantizedWeight], *, dtype: torch.dtype,
+                  device: torch.device, kernels: CPUKernels | None, kv_caches: KVCaches,
+                  all_reduce: Callable[[torch.Tensor], None] | None = None) -> None:
+    """Place the weights in ``model`` (built on the meta device) and attach what runs them:
+    the CPU kernels where they apply, the all-reduce of a tensor-parallel shard (which the
+    one-call decode stack cannot make, so it is only used without one)."""
+    _place_weights(model, weights, quantized, dtype, device, kernels)
+    model.eval()
+    if all_reduce is not None:
+        _use_all_reduce(model, all_reduce)
+    if kernels is not None:
+        _use_elementwise_kernels(model, kernels)
+        if all_reduce is None:
+            _use_decode_stack(model, kernels, kv_caches)
+
+
+def can_prepack(device: torch.device, dtype: torch.dtype) -> bool:
+    """oneDNN's bfloat16 prepacking needs a CPU tier with bfloat16 arithmetic (it refuses
+    others, and a forced lower tier must behave as such a CPU) and oneDNN's own say-so."""
+    return (device.type == "cpu" and dtype == torch.bfloat16 and isa.current().native_bf16
+            and torch.backends.mkldnn.is_available()
+            and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def _place_weights(model: Transformer, weights: dict[str, torch.Tensor],
+                   quantized: dict[str, QuantizedWeight], dtype: torch.dtype,
+                   device: torch.device, kernels: CPUKernels | None) -> None:
+    """Place the loader-named tensors (``LoadedModel``'s ``weights`` and ``quantized``) in
+    the model, built on the meta device. A matrix whose blocks the CPU kernels read (all of
+    a fused group's parts) is read from them at every row count and never made dense; the
+    embedding too, a step's rows at a time. Every other tensor is made dense in the model
+    dtype one at a time (fused groups concatenated), and in bfloat16 on the CPU prepacked
+    for oneDNN. One line names the matrices that run dense for want of a kernel."""
+    kernel = kernels.quant_linear if kernels is not None else None
+    prepack = can_prepack(device, dtype)
+    unread: list[tuple[str, int]] = []  # matrices in blocks the kernel does not read
+
+    def dense(name: str) -> torch.Tensor:
+        w = weights[name] if name in weights else quantized[name].dequantize()
+        return w.to(dtype=dtype, device=device)
+
+    def blocks(names: list[str]) -> tuple[QuantizedWeight, ...] | None:
+        """The parts' blocks as the kernel reads them, or None (then they run dense)."""
+        found = [quantized.get(name) for name in names]
+        if kernel is not None and all(q is not None and q.ggml_type in kernel.types
+                                      for q in found):
+            runs = tuple(kernel.in_format(q) for q in found)
+            for q, run in zip(found, runs):
+                if run is not q and q.release is not None:  # a copy in the kernel's format
+                    q.release()
+            return runs
+        unread.extend((n, q.ggml_type) for n, q in zip(names, found) if q is not None
+                      and q.ggml_type not in DENSE_TYPES.values())
+        return None
+
+    def place(module: Linear, prefixes: list[str]) -> None:
+        runs = blocks([p + ".weight" for p in prefixes])
+        if runs is not None:
+            module.quantized, module.quant_linear = runs, kernel
+            module.weight = nn.Parameter(torch.empty(0, dtype=dtype, device=device),
+                                         requires_grad=False)
+        else:
+            module.weight = nn.Parameter(torch.cat([dense(p + ".weight") for p in prefixes]),
+                                         requires_grad=False)
+            if prepack:
+                module.prepack()
+        if module.bias is not None:
+            module.bias = nn.Parameter(torch.cat([dense(p + ".bias") for p in prefixes]),
+                                       requires_grad=False)
+
+    for i, layer in enumerate(model.layers):
+        for local, module in layer.named_modules():
+            if isinstance(module, Linear):
+                place(module, [f"layers.{i}.{part}" for part in FUSED.get(local, (local,))])
+            elif isinstance(module, RMSNorm):
+                module.weight = nn.Parameter(dense(f"layers.{i}.{local}.weight"),
+                                             requires_grad=False)
+    model.norm.weight = nn.Parameter(dense("norm.weight"), requires_grad=False)
+    if model.output is not None:
+        place(model.output, ["output"])
+    embedding = "tok_embeddings.weight"
+    table = blocks([embedding]) if kernels is not None else None
+    if table is not None:
+        model.embedding_blocks, model.embedding_rows = table[0], kernels.dequant_rows
+        if model.output is None:
+            model.head_blocks, model.head_kernel = table[0], kernel
+        model.tok_embeddings.weight = nn.Parameter(torch.empty(0, dtype=dtype, device=device),
+                                                  requires_grad=False)
+    else:
+        model.tok_embeddings.weight = nn.Parameter(dense(embedding), requires_grad=False)
+        if model.output is None and prepack:
+            model.packed_head = torch.ops.mkldnn._reorder_linear_weight(
+                model.tok_embeddings.weight, 64)
+    if unread:
+        logger.info("the %s block linears do not read these types; they run as dense "
+                    "weights: %s", str(dtype).removeprefix("torch."), matrices_by_type(unread))
+    assert not any(p.is_meta for p in model.parameters()), "a weight was not placed"
+
+
+def _use_all_reduce(model: Transformer, all_reduce: Callable[[torch.Tensor], None]) -> None:
+    """This rank holds a tensor-parallel shard: sum the attention and feed-forward outputs
+    over the ranks (2 all-reduces a layer)."""
+    for layer in model.layers:
+        layer.all_reduce = all_reduce
+
+def _use_elementwise_kernels(model: Transformer, kernels: CPUKernels) -> None:
+    """Run the residual-stream norms (not Qwen3's per-head q/k norms) and SiLU(gate) * up
+    with the CPU kernels."""
+    for layer in model.layers:
+        layer.attention_norm.fused = layer.ffn_norm.fused = kernels.add_rms_norm
+        layer.feed_forward.silu_mul = kernels.silu_mul
+    model.norm.fused = kernels.add_rms_norm
+
+def _use_decode_stack(model: Transformer, kernels: CPUKernels,
+                      kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Run a step of a few decodes through all layers in one kernel call, when every layer
+    is what that kernel computes (no q/k norms, every linear in GGUF blocks)."""
+    linears = [m for layer in model.layers for m in layer.modules() if isinstance(m, Linear)]
+    if model.config.qk_norm or any(m.quantized is None for m in linears):
+        return
+    c = model.config
+    model.decode_stack = kernels.decode_stack(
+        [StackLayer(layer.attention_norm.weight, layer.ffn_norm.weight,
+                    layer.attention.wqkv.quantized, layer.attention.wo.quantized,
+                    layer.feed_forward.w13.quantized, layer.feed_forward.w2.quantized,
+                    layer.attention.wqkv.bias, *kv_cache)
+         for layer, kv_cache in zip(model.layers, kv_caches)],
+        heads=c.num_heads, kv_heads=c.num_kv_heads, head_dim=c.head_dim,
+        intermediate=c.intermediate_size, eps=c.rms_norm_eps)
