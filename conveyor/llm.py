@@ -7,7 +7,8 @@ from typing import Any
 from tqdm import tqdm
 
 from conveyor.config import EngineConfig
-from conveyor.engine.engine import LLMEngine, Prompt
+from conveyor.engine.engine import LLMEngine
+from conveyor.engine.input_processor import Prompt
 from conveyor.outputs import RequestOutput
 from conveyor.sampling_params import SamplingParams
 
@@ -47,7 +48,7 @@ class LLM:
             raise ValueError(f"got {len(priority)} priorities for {len(prompts)} prompts")
         # Validate everything before queueing anything, so a bad prompt loses no work.
         for prompt, params in zip(prompts, sampling_params):
-            self.engine.check_request(prompt, params)
+            self.engine.inputs.check_request(prompt, params)
         ids = []
         for prompt, params, prio in zip(prompts, sampling_params, priority):
             ids.append(str(self._next_id))
@@ -68,6 +69,6 @@ class LLM:
              use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation or a list of them, then generate."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [{"prompt_token_ids": self.engine.apply_chat_template(c, add_generation_prompt)}
+        prompts = [{"prompt_token_ids": self.engine.inputs.apply_chat_template(c, add_generation_prompt)}
                    for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)

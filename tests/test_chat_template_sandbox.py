@@ -51,6 +51,6 @@ def test_a_template_that_tries_on_one_request_fails_that_request_only(tmp_path):
     llm = LLM(model=with_template(str(tmp_path / "sleeper"), SLEEPER), dtype="float32",
               num_kv_blocks=16)
     with pytest.raises(ValueError, match="Python internals"):
-        llm.engine.apply_chat_template([{"role": "user", "content": "open"}])
-    ids = llm.engine.apply_chat_template([{"role": "user", "content": "hello"}])
+        llm.engine.inputs.apply_chat_template([{"role": "user", "content": "open"}])
+    ids = llm.engine.inputs.apply_chat_template([{"role": "user", "content": "hello"}])
     assert llm.get_tokenizer().decode(ids).startswith("user: hello")

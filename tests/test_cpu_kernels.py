@@ -342,7 +342,7 @@ def test_decode_stack_matches_the_layers(monkeypatch, default_gguf_path, native_
                  use_tqdm=False)
     # The prompts' step joins as queries where its tokens fit the stack's rows (AMX's and
     # float32's do; bfloat16 without AMX takes 8), then nine steps of decodes.
-    prompt_rows = sum(len(llm.engine.tokenize(p)[1]) for p in prompts)
+    prompt_rows = sum(len(llm.engine.inputs.tokenize(p)[1]) for p in prompts)
     stacked_prompts = prompt_rows <= model.decode_stack.max_rows
     assert [len(ours) for ours, _ in compared] == [prompt_rows] * stacked_prompts + [decodes] * 9
     differing = []
@@ -380,7 +380,7 @@ def test_prompt_tokens_as_queries_match_sdpa(monkeypatch, default_gguf_path, nat
     prompts, rows = [], min(model.decode_stack.max_rows, block_linear_rows(model))
     for prompt in ["The capital of France is", "Once upon a time, in a land far away,",
                    "def fibonacci(n):", "Water boils at a temperature of", "Water boils at"]:
-        n = len(llm.engine.tokenize(prompt)[1])
+        n = len(llm.engine.inputs.tokenize(prompt)[1])
         if n <= rows:
             prompts.append(prompt)
             rows -= n

@@ -13,7 +13,6 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-import jinja2
 import torch
 
 from conveyor.config import EngineConfig
@@ -24,6 +23,7 @@ from conveyor.core.scheduler import Scheduler, SchedulerConfig
 from conveyor.core.timeline import BatchTimeline, StepRecord
 from conveyor.engine import faults
 from conveyor.engine.detokenizer import IncrementalDetokenizer
+from conveyor.engine.input_processor import InputProcessor, Prompt, check_chat_template
 from conveyor.model.loader import load_model
 from conveyor.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from conveyor.sampling_params import SamplingParams
@@ -34,8 +34,6 @@ logger = logging.getLogger("conveyor")
 
 STEP_HISTORY = 20_000  # per-step records kept for /v1/engine/steps (a few MB at most)
 
-Prompt = str | dict | list[int]
-CHAT_ROLES = ("system", "user", "assistant", "tool")
 
 
 @dataclass
@@ -70,16 +68,6 @@ def resident_gib() -> tuple[float, float]:
     return kib["VmRSS"] / 2**20, kib["VmHWM"] / 2**20
 
 
-def _check_text(text: str, what: str) -> None:
-    """JSON can carry lone surrogates (\\ud800), which are not text: the tokenizer refuses them
-    with a TypeError deep inside."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise ValueError(f"{what} is not valid Unicode: a lone surrogate at character "
-                         f"{e.start}") from e
-
-
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -101,8 +89,8 @@ class LLMEngine:
         self.timeline = BatchTimeline(config.max_num_seqs)
         faults.install(self)  # (only under CONVEYOR_FAULT_INJECTION, for tests)
         # The model, tokenizer and libraries loaded so far are permanent: moved out of the
-        # cycle collector's sight, its collections only walk what the steps create (they were
-        # ~5% of a one-request step here), as vLLM's engine does after start-up.
+        # cycle collector's sight, its collections only walk what the steps create
+        # (docs/results/design-notes#gc-freeze), as vLLM's engine does after start-up.
         gc.collect()
         gc.freeze()
 
@@ -112,7 +100,7 @@ class LLMEngine:
         self.model_path = loaded.path
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
-        self._check_chat_template()
+        check_chat_template(self.tokenizer, loaded.name)
         self.eos_token_ids = frozenset(loaded.eos_token_ids)
         self.grammars = GrammarCompiler(self.tokenizer, loaded.config.vocab_size,
                                         self.eos_token_ids)
@@ -132,6 +120,9 @@ class LLMEngine:
                             config.policy, config.scheduling_policy),
             make_kv_cache_manager(config.kv_layout, num_blocks, config.block_size, model_len,
                                   config.enable_prefix_caching))
+        self.inputs = InputProcessor(self.tokenizer, loaded.name, loaded.config.vocab_size,
+                                     model_len, self.scheduler.kv.num_tokens_capacity,
+                                     self.grammars)
         setup = dict(dtype=self.dtype, num_blocks=num_blocks, max_model_len=model_len)
         tp = self.tensor_parallel
         if tp is not None:  # the workers build their shards of the same pool
@@ -156,93 +147,12 @@ class LLMEngine:
             self.tensor_parallel.close()
 
     # -- requests ------------------------------------------------------------------------------
-    def tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            _check_text(prompt, "prompt")
-            return prompt, self.tokenizer.encode(prompt)
-        if isinstance(prompt, dict):
-            if "prompt_token_ids" not in prompt:
-                raise ValueError("a dict prompt needs 'prompt_token_ids'")
-            ids = prompt["prompt_token_ids"]
-        else:
-            ids = prompt
-        if not isinstance(ids, (list, tuple)) or not all(isinstance(t, int) for t in ids):
-            raise ValueError("prompt_token_ids must be a list of integers")
-        return None, list(ids)
-
-    def check_request(self, prompt: Prompt, params: SamplingParams) -> tuple[str | None, list[int]]:
-        """Tokenize and validate; raises ValueError naming the problem."""
-        text, ids = self.tokenize(prompt)
-        if not ids:
-            raise ValueError("prompt must not be empty")
-        vocab = self.model_config.vocab_size
-        if any(t < 0 or t >= vocab for t in ids):
-            raise ValueError(f"prompt token ids must be in [0, {vocab})")
-        if any(t >= vocab for t in params.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be in [0, {vocab})")
-        if len(ids) + params.max_tokens > self.max_model_len:
-            raise ValueError(
-                f"prompt ({len(ids)} tokens) plus max_tokens ({params.max_tokens}) exceeds "
-                f"max_model_len ({self.max_model_len})")
-        capacity = self.scheduler.kv.num_tokens_capacity
-        if params.n > 1 and params.n * (len(ids) + params.max_tokens) > capacity:
-            raise ValueError(
-                f"n ({params.n}) x (prompt ({len(ids)} tokens) + max_tokens "
-                f"({params.max_tokens})) exceeds what the KV pool can ever hold ({capacity} "
-                f"tokens)")
-        if params.structured_outputs is not None:
-            self.grammars.compile(params.structured_outputs)
-        return text, ids
-
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            tools: list[dict] | None = None) -> list[int]:
-        """``tools``: OpenAI's tool definitions, for a template that renders them."""
-        if not messages:
-            raise ValueError("messages must not be empty")
-        for m in messages:
-            if not isinstance(m, dict) or m.get("role") not in CHAT_ROLES:
-                raise ValueError(f"each message needs a role in {CHAT_ROLES}, got {m!r}")
-            if not isinstance(m.get("content"), str):
-                raise ValueError(f"message content must be a string, got {m.get('content')!r}")
-            _check_text(m["content"], "message content")
-        if not self.tokenizer.chat_template:
-            raise ValueError(f"model {self.model_name} has no chat template")
-        return self.tokenizer.encode(self._render_chat(messages, add_generation_prompt, tools),
-                                     add_special_tokens=False)
-
-    def _render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
-                     tools: list[dict] | None = None) -> str:
-        """The chat template is code from the model file: transformers renders it in Jinja's
-        immutable sandbox, which refuses any reach into Python internals (SecurityError)."""
-        try:
-            return self.tokenizer.apply_chat_template(
-                messages, tools=tools, tokenize=False,
-                add_generation_prompt=add_generation_prompt)
-        except jinja2.exceptions.SecurityError as e:
-            raise ValueError(f"the chat template of {self.model_name} was refused: it tried "
-                             f"to reach Python internals ({e})") from e
-        except jinja2.exceptions.TemplateError as e:
-            raise ValueError(f"the chat template of {self.model_name} failed on these "
-                             f"messages: {e}") from e
-
-    def _check_chat_template(self) -> None:
-        """Render the template once at load: one that reaches for Python internals on a plain
-        conversation is refused before anything is served."""
-        if not self.tokenizer.chat_template:
-            return
-        try:
-            self._render_chat([{"role": "user", "content": "Hello"}])
-        except ValueError as e:
-            if isinstance(e.__cause__, jinja2.exceptions.SecurityError):
-                raise
-            logger.warning("%s", e)  # a template may legitimately refuse a bare conversation
-
     def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams,
                     arrival_time: float | None = None, priority: int = 0) -> None:
         """Validate and queue a request; raises ValueError (and queues nothing) on bad input."""
         if request_id in self._states:
             raise ValueError(f"request id {request_id!r} is already in use")
-        text, ids = self.check_request(prompt, params)
+        text, ids = self.inputs.check_request(prompt, params)
         arrival = time.monotonic() if arrival_time is None else arrival_time
         state = _RequestState(request_id, text, ids, [])
         for i in range(params.n):
