@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from conveyor.bench.cost_model import FittedCost, StepShape, live_samples
 from conveyor.bench.roofline import GIB, MODEL_CONFIGS, RooflineCost, accelerator, layer_weights
-from conveyor.bench.simulator import EngineSettings, SimulatedRequest, Simulator
+from conveyor.bench.simulated_engine import EngineSettings, SimulatedRequest, Simulator
 from conveyor.cli import main
 from conveyor.config import EngineConfig
 from conveyor.core.scheduler import SchedulerConfig

@@ -33,7 +33,7 @@ from conveyor.bench.serve import (
     report,
     save_result,
 )
-from conveyor.bench.simulator import EngineSettings, SimulatedRequest, Simulator
+from conveyor.bench.simulated_engine import EngineSettings, SimulatedRequest, Simulator
 from conveyor.core.scheduler import SchedulerConfig
 from conveyor.model.config import ModelConfig
 

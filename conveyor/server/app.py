@@ -11,19 +11,26 @@ from fastapi.openapi.utils import get_openapi
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from conveyor import __version__
+from conveyor.engine.engine import LLMEngine
 from conveyor.kernels import isa
-from conveyor.server.access import (DEFAULT_MAX_BODY_BYTES, AdmissionGate, ApiKeyGuard,
-                                    BodyLimit)
+from conveyor.server.access import DEFAULT_MAX_BODY_BYTES, AdmissionGate, ApiKeyGuard, BodyLimit
 from conveyor.server.chat import create_chat_completion
 from conveyor.server.completions import create_completion
 from conveyor.server.dashboard import dashboard_router, mount_static
-from conveyor.engine.engine import LLMEngine
 from conveyor.server.engine_thread import EngineDead
 from conveyor.server.errors import APIError, install_error_handlers
-from conveyor.server.protocol import (ChatCompletionRequest, ChatCompletionResponse,
-                                      CompletionRequest, CompletionResponse, EngineSteps,
-                                      ErrorResponse, ModelCard, ModelList, VersionInfo)
-from conveyor.server.serving import ServerState, engine_failure, refusal_error
+from conveyor.server.protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    EngineSteps,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+    VersionInfo,
+)
+from conveyor.server.state import ServerState, engine_failure, refusal_error
 
 logger = logging.getLogger("conveyor.server")
 

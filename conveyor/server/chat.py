@@ -11,14 +11,29 @@ from fastapi.responses import StreamingResponse
 from conveyor.outputs import CompletionOutput, RequestOutput
 from conveyor.server.engine_thread import Submission
 from conveyor.server.errors import bad_request
-from conveyor.server.protocol import (AssistantMessage, ChatChoice, ChatChunkChoice,
-                                      ChatCompletionChunk, ChatCompletionRequest,
-                                      ChatCompletionResponse, ChatLogprobs, DeltaMessage,
-                                      TokenLogprob, TopLogprob, UsageInfo)
-from conveyor.server.serving import ServerState, collect, engine_failure
+from conveyor.server.protocol import (
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatLogprobs,
+    DeltaMessage,
+    TokenLogprob,
+    TopLogprob,
+    UsageInfo,
+)
+from conveyor.server.state import ServerState, collect, engine_failure
 from conveyor.server.streaming import SSE_DONE, TextDeltas, sse
-from conveyor.server.tools import (ToolCallDeltas, finish_reason, parse_tool_calls,
-                                   template_messages, tool_constraint, tool_mode)
+from conveyor.server.tools import (
+    ToolCallDeltas,
+    finish_reason,
+    parse_tool_calls,
+    template_messages,
+    tool_constraint,
+    tool_mode,
+)
 
 
 def _logprobs(sample: CompletionOutput, tokens: slice, top: int) -> ChatLogprobs:
@@ -47,7 +62,7 @@ async def create_chat_completion(body: ChatCompletionRequest, raw: Request,
         raise bad_request(str(e), "tool_choice") from e
     try:
         messages, tools = template_messages(body, mode, state.engine.tokenizer.chat_template or "")
-        ids = state.engine.apply_chat_template(messages, body.add_generation_prompt, tools)
+        ids = state.engine.inputs.apply_chat_template(messages, body.add_generation_prompt, tools)
     except ValueError as e:
         raise bad_request(str(e), "messages") from e
     max_tokens = body.max_completion_tokens or body.max_tokens

@@ -11,9 +11,14 @@ from fastapi.responses import StreamingResponse
 from conveyor.outputs import CompletionOutput, RequestOutput
 from conveyor.server.engine_thread import Submission
 from conveyor.server.errors import bad_request
-from conveyor.server.protocol import (CompletionChoice, CompletionLogprobs, CompletionRequest,
-                                      CompletionResponse, UsageInfo)
-from conveyor.server.serving import ServerState, collect, engine_failure
+from conveyor.server.protocol import (
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    UsageInfo,
+)
+from conveyor.server.state import ServerState, collect, engine_failure
 from conveyor.server.streaming import SSE_DONE, TextDeltas, sse
 
 

@@ -14,7 +14,7 @@ from fastapi import APIRouter, Query
 from fastapi.responses import HTMLResponse
 from fastapi.staticfiles import StaticFiles
 
-from conveyor.server.serving import ServerState
+from conveyor.server.state import ServerState
 
 STATIC_DIR = files("conveyor.server") / "static"
 

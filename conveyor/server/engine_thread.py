@@ -9,7 +9,8 @@ The same thread builds the engine. Every thread that runs a parallel region gets
 pool of its own, and once the process holds more of those threads than it has CPUs, libgomp (the
 runtime PyTorch and our kernels use) cuts its spin-wait at each barrier to 100 iterations, so
 every barrier sleeps and wakes through the kernel: loading the model on the main thread and
-stepping it here made a step 1.2-1.3x slower in the server than offline.
+stepping it here made a step slower in the server than offline
+(docs/results/design-notes#engine-thread).
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ from conveyor.server.app import build_app
 from conveyor.server.config import ServerConfig
 from conveyor.server.engine_thread import EngineThread
 from conveyor.server.metrics import ServerMetrics
-from conveyor.server.serving import ServerState
+from conveyor.server.state import ServerState
 
 GRACEFUL_SHUTDOWN_S = 30
 API_KEY_ENV = "CONVEYOR_API_KEY"  # the key out of `ps`
@@ -61,11 +61,11 @@ def _access_message(settings: ServerConfig, api_key: str | None, dashboard_open:
     return f"{key}; {page}: http://{settings.host}:{settings.port}/dashboard"
 
 
-def serve(config: EngineConfig, settings: ServerConfig) -> None:
+def run_server(config: EngineConfig, settings: ServerConfig) -> None:
     if config.data_parallel_size > 1:
-        from conveyor.server.data_parallel.front import serve_data_parallel
+        from conveyor.server.data_parallel.front import run_front
 
-        return serve_data_parallel(config, settings)
+        return run_front(config, settings)
     logging.basicConfig(level=logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     api_key = settings.api_key or os.environ.get(API_KEY_ENV) or None

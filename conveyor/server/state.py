@@ -9,12 +9,20 @@ from dataclasses import dataclass
 
 from fastapi import Request
 
-from conveyor.engine.engine import LLMEngine, Prompt
+from conveyor.engine.engine import LLMEngine
+from conveyor.engine.input_processor import Prompt
 from conveyor.outputs import RequestOutput
 from conveyor.sampling_params import SamplingParams
-from conveyor.server.engine_thread import (EngineDead, EngineRequest, EngineThread, QueueFull,
-                                           RequestFailed, RequestTimeout, Submission,
-                                           TooManyRequests)
+from conveyor.server.engine_thread import (
+    EngineDead,
+    EngineRequest,
+    EngineThread,
+    QueueFull,
+    RequestFailed,
+    RequestTimeout,
+    Submission,
+    TooManyRequests,
+)
 from conveyor.server.errors import APIError, bad_request
 from conveyor.server.metrics import ServerMetrics
 from conveyor.server.protocol import SamplingFields
@@ -63,7 +71,7 @@ class ServerState:
         """Tokenize and check against the engine's limits, as the engine would on add;
         ``limit_param`` is named when prompt plus output would exceed ``max_model_len``."""
         try:
-            return self.engine.check_request(prompt, params)
+            return self.engine.inputs.check_request(prompt, params)
         except ValueError as e:
             message = str(e)
             name = ("n" if message.startswith("n (") else

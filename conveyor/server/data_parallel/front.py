@@ -184,7 +184,7 @@ def build_front(replicas: list[ConveyorServer], router: Router, tokenizer,
     return app
 
 
-def serve_data_parallel(engine: EngineConfig, settings: ServerConfig) -> None:
+def run_front(engine: EngineConfig, settings: ServerConfig) -> None:
     logging.basicConfig(level=logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # (a line per proxied request)
