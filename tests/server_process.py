@@ -3,59 +3,40 @@
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
-import sys
 import tempfile
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 import httpx
 
 from conveyor.bench.stress import parse_metrics
-from conveyor.process import free_port
+from conveyor.process import ConveyorServer
 
-SERVE = [sys.executable, "-m", "conveyor.cli", "serve"]
 # Small enough for 2 CPU cores; the pool holds 512 x 16 tokens.
 COMMON_ARGS = ["--num-kv-blocks", "512", "--max-model-len", "1024"]
 
 
-class ServerProcess:
+class ServerProcess(ConveyorServer):
+    """``conveyor serve`` with the tests' pool, started at once, its log in a temporary file."""
+
     def __init__(self, *args: str, env: dict[str, str] | None = None) -> None:
-        self.port = free_port()
-        self.base_url = f"http://127.0.0.1:{self.port}"
-        self._log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)
-        env = dict(os.environ, HF_HUB_OFFLINE="1", **(env or {}))
-        self.proc = subprocess.Popen([*SERVE, "--port", str(self.port), *COMMON_ARGS, *args],
-                                     stdout=self._log, stderr=subprocess.STDOUT, env=env)
+        log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)
+        log.close()
+        super().__init__([*COMMON_ARGS, *args], log.name, startup_timeout=180.0)
+        self._env = env or {}
+        self.start()
+
+    def environment(self) -> dict[str, str]:
+        return dict(super().environment(), **self._env)
 
     def log(self) -> str:
-        with open(self._log.name) as f:
+        with open(self.log_path) as f:
             return f.read()
 
-    def wait_ready(self, timeout: float = 180.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()}")
-            try:
-                if httpx.get(f"{self.base_url}/health", timeout=1.0).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.2)
-        raise TimeoutError(f"server not ready after {timeout} s:\n{self.log()[-4000:]}")
-
-    def terminate(self, timeout: float = 60.0) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        os.unlink(self._log.name)
+    def terminate(self) -> int:
+        """Stop it (SIGTERM, then SIGKILL after a minute); its exit status."""
+        self.__exit__(None, None, None)
+        os.unlink(self.log_path)
         return self.proc.returncode
 
     def metrics(self) -> dict[str, float]:

@@ -20,11 +20,9 @@ phase's examples per operation, CONVEYOR_FUZZ_SEED the seed (printed on each run
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import random
-import subprocess
 import tempfile
 import time
 from collections import Counter
@@ -42,7 +40,7 @@ from schemathesis.checks import not_a_server_error
 # schemathesis' own pytest loader (schemathesis.pytest.from_fixture) sets Item._nodeid, which
 # pytest 9.2 no longer has; this is what it runs for each operation, minus that bookkeeping.
 from schemathesis.pytest.lazy import get_all_tests
-from server_process import SERVE, ServerProcess
+from server_process import ServerProcess
 
 from conveyor.server.errors import APIError, _validation_error
 from conveyor.server.protocol import ChatCompletionRequest, CompletionRequest
@@ -62,17 +60,6 @@ N_CAP = 4
 MAX_EXAMPLES = int(os.environ.get("CONVEYOR_FUZZ_EXAMPLES", "30"))
 SEED = int(os.environ.get("CONVEYOR_FUZZ_SEED") or random.getrandbits(32))
 REQUEST_TIMEOUT_S = 120.0
-
-
-@functools.cache
-def serve_has_api_key() -> bool:
-    out = subprocess.run([*SERVE, "--help"], capture_output=True, text=True, timeout=120)
-    return "--api-key" in out.stdout
-
-
-# A string condition: evaluated when a marked test sets up, not on every collection.
-needs_api_key = pytest.mark.skipif("not serve_has_api_key()",
-                                   reason="`conveyor serve --help` has no --api-key yet")
 
 
 def show(body: object) -> str:
@@ -495,7 +482,6 @@ def test_fuzz_open_server(open_server):
 
 
 # The open run covers what the body does; with the key, the point is the key's handling.
-@needs_api_key
 @pytest.mark.parametrize("with_key", [True, False], ids=["key+header", "key-no-header"])
 def test_fuzz_keyed_server(keyed_server, with_key):
     key_header = {"Authorization": f"Bearer {API_KEY}"}
@@ -504,7 +490,6 @@ def test_fuzz_keyed_server(keyed_server, with_key):
                 phases=("fuzzing",) if with_key else ("coverage", "fuzzing")))
 
 
-@needs_api_key
 def test_keyed_server_plain_requests(keyed_server):
     """The key's rules by hand: schemathesis checks them per case, this names them."""
     url = keyed_server.base_url
