@@ -6,8 +6,8 @@ is decoded alone. Both are avoided by decoding a short window that starts a few 
 emitting only what that window adds once it no longer ends in U+FFFD (vLLM's offsets scheme).
 
 Each token takes two decodes of that window. Where the transformers tokenizer only hands the ids
-to its Rust backend (no clean-up of tokenization spaces), the backend is called directly: 3 us a
-token against 13 through the wrapper, ~0.6 ms a step at 64 requests.
+to its Rust backend (no clean-up of tokenization spaces), the backend is called directly, a
+fraction of the wrapper's cost (docs/results/design-notes#detokenizer-backend).
 """
 
 from __future__ import annotations

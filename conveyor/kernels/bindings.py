@@ -200,9 +200,9 @@ class QuantLinear:
     # quant_linear_bf16.c). Past them each run is dequantized to bfloat16 and multiplied by
     # F.linear.
     FMA_ROWS = 8
-    # bfloat16, AMX: 0.8x the prepacked linear's time from 1 to 64 rows, ~0.95x up to 512,
-    # 1.35x at 2048 (SmolLM2's layers, alternated runs), where its activation tiles outgrow
-    # the L2: more rows are taken 512 at a time.
+    # bfloat16, AMX: faster than the prepacked linear up to 512 rows, slower past them, where
+    # its activation tiles outgrow the L2 (docs/results/design-notes#amx-rows): more rows are
+    # taken 512 at a time.
     AMX_ROWS = 512
     # float32: any number of rows (its own register-blocked products)
     F32_ROWS = 1 << 30

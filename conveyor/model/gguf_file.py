@@ -250,9 +250,9 @@ def gguf_tensors(reader: GGUFFile, config: ModelConfig
 def _kernel_blocks(ggml_type: int, blocks: np.ndarray) -> tuple[int, np.ndarray]:
     """The blocks the kernels take for a matrix: Q5_0's rewritten as Q8_0's, the same fp16
     scale and each q - 16 in a byte (exact: the same weights). 34 bytes a block instead of 22,
-    but a decode step's few rows are bound by unpacking, not reading: a Q5_0 kernel (avx2, 2
-    cores) made 0.83x the tokens a second of these blocks alone, the same at 32 (SmolLM2's
-    Q4_K_M, alternated); and the bfloat16 kernels read Q8_0."""
+    but a decode step's few rows are bound by unpacking, not reading: a Q5_0 kernel was slower
+    than these blocks (docs/results/design-notes#q5_0-as-q8_0); and the bfloat16 kernels
+    read Q8_0."""
     if ggml_type != int(_Q.Q5_0):
         return ggml_type, blocks
     b = np.ascontiguousarray(blocks).reshape(blocks.shape[0], -1, 22)

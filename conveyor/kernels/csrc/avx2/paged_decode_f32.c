@@ -179,7 +179,8 @@ int paged_decode_attention_f32(const float *q, int64_t q_stride, const float *k_
             const float *qi = q + i * q_stride + qoff, *ki = k_cache + kv, *vi = v_cache + kv;
             float *oi = out + i * out_stride + qoff;
             /* the common head sizes as constants, so the loops over a row unroll into
-             * registers (a runtime size left the sums in memory: ~5x the time) */
+             * registers (a runtime size left the sums in memory:
+             * docs/results/design-notes#head-dim-constants) */
             if (head_dim == 64)
                 attend(qi, ki, vi, at, context_lens[i], oi, per, group, 64, scale, zero, scores);
             else if (head_dim == 128)

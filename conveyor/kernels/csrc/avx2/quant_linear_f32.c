@@ -327,8 +327,8 @@ static ALWAYS_INLINE void pack_panel_chunks(const uint8_t *w, int64_t row_bytes,
         }
 }
 
-/* One specialisation a block type (no type tests a panel row: 0.95x the time at 32 rows). Not
- * inlined: inlined into panels() it cost the register tiles 5-8% of their speed (GCC 12). */
+/* One specialisation a block type (no type tests a panel row). Not inlined: inlined into
+ * panels() it slowed the register tiles (docs/results/design-notes#panel-packing). */
 static __attribute__((noinline)) void pack_panel(const uint8_t *w, int64_t row_bytes,
                                                  int type, int n0, int have, int k0, int kc,
                                                  float *panel) {
@@ -375,8 +375,7 @@ static int panels(const float *x, int64_t x_stride, const uint8_t *w, int64_t ro
     /* MC rows of x at a time: each KC slice of a strip's panel is dequantized once per MC rows,
      * so MC is as many rows as the strip's sums hold, whatever k (the slice of x a panel meets,
      * MC x KC, stays in L2). Sizing MC to keep all of x's k in L2 made it 6 rows at k = 8192,
-     * every weight dequantized again each 6 rows: 0.37x the rate at 32 rows (a 2048 x 8192
-     * Q4_K matrix, one thread), 0.4x at 128 and 512; 0.75x at k = 2048. */
+     * every weight dequantized again each 6 rows (docs/results/design-notes#panel-packing). */
     const int mc = rows < MAX_MC ? (rows + MR - 1) / MR * MR : MAX_MC;
     float *buf = aligned_alloc(32, sizeof(float) * (size_t)threads * (KC + mc) * NR);
     if (buf == NULL) return -2;

@@ -84,7 +84,7 @@ static inline void tile_rows(const uint16_t *cache, const int32_t *table, int t0
 /* Pages lie anywhere in the pool, so the hardware prefetcher cannot see the next ones coming.
  * Each tile's products ask for the rows of the tile AHEAD tiles on (the K tiles, then the V
  * tiles, as the passes read them) into L2, a line or two between products: asked for all at
- * once, most of them are dropped (a C harness of 32 requests: 1.36x the time). This writes the
+ * once, most of them are dropped (docs/results/design-notes#decode-prefetch). This writes the
  * rows of that tile, token t of the K-then-V stream, into rows[] (`zero` past the end). */
 #define AHEAD 2
 static inline void ahead_rows(const uint16_t *k_cache, const uint16_t *v_cache,

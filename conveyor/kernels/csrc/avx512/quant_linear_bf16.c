@@ -308,8 +308,9 @@ static ALWAYS_INLINE void rows_times_blocks(int R, const float *x, int k, const 
  * in their natural order, are one 16 x 32 tile, so no weight is shuffled. The activations are the
  * B operand, transposed once a call into bfloat16 pairs ("VNNI": row i of a tile holds x[m][2i],
  * x[m][2i+1] for 16 rows m), and the 16 x 16 float32 results are transposed back on the way out.
- * Dequantizing a block (~11 vector ops, ~2.5-4 ns here) costs the same at any row count, while a
- * tile product (16 x 16 x 32) takes ~6-16 ns: up to ~64 rows the dequantizing is most of it. */
+ * Dequantizing a block costs the same at any row count, while the tile products grow with the
+ * rows: up to ~64 rows the dequantizing is most of the time
+ * (docs/results/design-notes#amx-dequantizing). */
 #if CONVEYOR_AMX
 #include <sys/syscall.h>
 #include <unistd.h>

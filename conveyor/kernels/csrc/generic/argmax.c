@@ -1,8 +1,8 @@
 /* Greedy sampling's argmax over each row of float32 logits: the first maximum, as torch.argmax.
  *
- * PyTorch's max(dim=-1) with indices runs ~1.3 ns an element (2 ms a step at 32 rows of
- * SmolLM2's 49152 logits); a max pass, which the compiler vectorises, and a find-first pass over
- * each row, which stays in the L2 between them, take a fraction of that. Built with fast math,
+ * PyTorch's max(dim=-1) with indices is slow on the CPU (docs/results/design-notes#argmax);
+ * a max pass, which the compiler vectorises, and a find-first pass over each row, which stays
+ * in the L2 between them, take a fraction of its time. Built with fast math,
  * so NaNs are not looked for (the plain path's choice among them is torch's).
  */
 #include <math.h>

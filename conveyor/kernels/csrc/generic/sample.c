@@ -8,9 +8,9 @@
  * top_p the fewest most likely whose mass reaches top_p of the top_k's; min_p those with
  * p >= min_p), so the tokens they keep all lie above some threshold: candidates are the tokens
  * with p >= 2^-4, else 2^-6, ..., the first that holds them all (a few dozen to a few
- * thousand). The prefix is then found by quickselect on the candidates (by count for top_k, by mass for top_p),
- * never a sort, and the token drawn by inverse CDF with the caller's uniform. A row no rule
- * restricts is drawn from the whole vocabulary.
+ * thousand). The prefix is then found by quickselect on the candidates (by count for top_k,
+ * by mass for top_p), never a sort, and the token drawn by inverse CDF with the caller's
+ * uniform. A row no rule restricts is drawn from the whole vocabulary.
  *
  * Masked logits (-inf, from grammars and min_tokens) have p = 0 and are never drawn.
  */
