@@ -10,7 +10,7 @@ from typing import ClassVar
 import torch
 
 from conveyor.core.kv_cache_manager import KV_LAYOUTS
-from conveyor.core.scheduler import POLICIES, SCHEDULING_POLICIES
+from conveyor.core.scheduler import POLICIES, SCHEDULING_POLICIES, SchedulerConfig
 from conveyor.kernels import isa
 from conveyor.settings import check_choices, setting
 
@@ -97,6 +97,7 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        self.scheduler_config(self.max_model_len or 1)  # the scheduler's own rules, checked now
         if self.num_kv_blocks is not None and self.kv_cache_memory is not None:
             raise ValueError("give num_kv_blocks or kv_cache_memory, not both")
         if self.kv_cache_memory is not None:
@@ -108,6 +109,11 @@ class EngineConfig:
                 f"dtype bfloat16 needs a CPU with bfloat16 arithmetic (AVX512_BF16 or AMX, or "
                 f"ARM's BF16); this one runs kernel tier {cpu.describe()}: use --dtype auto or "
                 f"float32")
+
+    def scheduler_config(self, max_model_len: int) -> SchedulerConfig:
+        """The scheduler's settings (its config checks them) at this model length."""
+        return SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, max_model_len,
+                               self.policy, self.scheduling_policy)
 
     def torch_device(self) -> torch.device:
         if self.device is not None:

@@ -19,7 +19,7 @@ from conveyor.config import EngineConfig
 from conveyor.core.grammar import GrammarCompiler, UnsatisfiableConstraint, consume
 from conveyor.core.kv_cache_manager import make_kv_cache_manager
 from conveyor.core.request import Request, RequestStatus
-from conveyor.core.scheduler import Scheduler, SchedulerConfig
+from conveyor.core.scheduler import Scheduler
 from conveyor.core.timeline import BatchTimeline, StepRecord
 from conveyor.engine import faults
 from conveyor.engine.detokenizer import IncrementalDetokenizer
@@ -116,8 +116,7 @@ class LLMEngine:
             model_len = min(loaded.config.max_position_embeddings, num_blocks * config.block_size)
         self.max_model_len = model_len
         self.scheduler = Scheduler(
-            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, model_len,
-                            config.policy, config.scheduling_policy),
+            config.scheduler_config(model_len),
             make_kv_cache_manager(config.kv_layout, num_blocks, config.block_size, model_len,
                                   config.enable_prefix_caching))
         self.inputs = InputProcessor(self.tokenizer, loaded.name, loaded.config.vocab_size,
