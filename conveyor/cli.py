@@ -16,7 +16,8 @@ from conveyor.settings import add_arguments, from_namespace
 
 def _torchrun_worker(args: argparse.Namespace) -> bool:
     """Under torchrun every rank runs the command: ranks above 0 serve rank 0's steps."""
-    from conveyor.worker.tensor_parallel import launched_by_torchrun, run_worker
+    from conveyor.worker.rank import run_worker
+    from conveyor.worker.tensor_parallel import launched_by_torchrun
 
     if args.tensor_parallel_size == 1 or not launched_by_torchrun() or os.environ["RANK"] == "0":
         return False

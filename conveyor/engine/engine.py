@@ -27,6 +27,7 @@ from conveyor.engine.input_processor import InputProcessor, Prompt, check_chat_t
 from conveyor.model.loader import load_model
 from conveyor.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from conveyor.sampling_params import SamplingParams
+from conveyor.worker.rank import run_worker
 from conveyor.worker.runner import ModelRunner, kv_bytes_per_block
 from conveyor.worker.tensor_parallel import TensorParallel
 
@@ -73,8 +74,8 @@ class LLMEngine:
         self.config = config
         started = time.monotonic()
         # Workers start first, to load their copy while this rank loads its own.
-        self.tensor_parallel = (TensorParallel.start(config) if config.tensor_parallel_size > 1
-                                else None)
+        self.tensor_parallel = (TensorParallel.start(config, run_worker)
+                                if config.tensor_parallel_size > 1 else None)
         if config.threads is not None:
             torch.set_num_threads(config.threads)
         try:

@@ -16,12 +16,9 @@ from __future__ import annotations
 
 import math
 import os
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from conveyor.worker.sampler import SampleResult
-
-if TYPE_CHECKING:
-    from conveyor.engine.engine import LLMEngine
 
 ENV = "CONVEYOR_FAULT_INJECTION"
 KINDS = ("sample", "detokenize", "nan_logits", "engine")
@@ -68,8 +65,9 @@ class _FaultySampler:
         return results
 
 
-def install(engine: LLMEngine) -> None:
-    """Wraps the engine for the faults the environment asks for; does nothing without them."""
+def install(engine: Any) -> None:
+    """Wraps a loaded ``LLMEngine`` for the faults the environment asks for; does nothing
+    without them."""
     faults = parse(os.environ.get(ENV, ""))
     if not faults:
         return

@@ -53,28 +53,30 @@ class TensorParallel:
         self._closed = False
 
     @classmethod
-    def start(cls, config: EngineConfig) -> TensorParallel:
-        """Rank 0's group: join torchrun's ranks, or start the workers as local processes."""
+    def start(cls, config: EngineConfig,
+              worker: Callable[[EngineConfig, int, str, int], None]) -> TensorParallel:
+        """Rank 0's group: join torchrun's ranks, or start the workers as local processes
+        running ``worker(config, rank, init_method, threads)`` (``rank.run_worker``)."""
         world = config.tensor_parallel_size
         device = config.torch_device()
         if launched_by_torchrun():
             if int(os.environ["WORLD_SIZE"]) != world:
                 raise ValueError(f"WORLD_SIZE {os.environ['WORLD_SIZE']} is not "
                                  f"--tensor-parallel-size {world}")
-            _set_threads(config, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+            set_threads(config, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
             return cls(0, world, config.distributed_init_method or "env://",
-                       _rank_device(device, 0))
+                       rank_device(device, 0))
         init = config.distributed_init_method or f"tcp://127.0.0.1:{free_port()}"
-        threads = _set_threads(config, world)
+        threads = set_threads(config, world)
         spawn = mp.get_context("spawn")
-        workers = [spawn.Process(target=run_worker, args=(config, rank, init, threads),
+        workers = [spawn.Process(target=worker, args=(config, rank, init, threads),
                                  name=f"conveyor-tp{rank}", daemon=True)
                    for rank in range(1, world)]
         for w in workers:
             w.start()
         logger.info("tensor parallel: %d ranks (%s over %s), %d threads each", world,
                     _backend(device), init, threads)
-        return cls(0, world, init, _rank_device(device, 0), workers)
+        return cls(0, world, init, rank_device(device, 0), workers)
 
     # -- collectives ---------------------------------------------------------------------------
     def all_reduce(self, x: torch.Tensor) -> None:
@@ -155,48 +157,15 @@ def _backend(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
-def _rank_device(device: torch.device, local_rank: int) -> torch.device:
+def rank_device(device: torch.device, local_rank: int) -> torch.device:
     if device.type != "cuda":
         return device
     torch.cuda.set_device(local_rank)
     return torch.device("cuda", local_rank)
 
 
-def _set_threads(config: EngineConfig, local_ranks: int) -> int:
+def set_threads(config: EngineConfig, local_ranks: int) -> int:
     """--threads, or the machine's cores shared among its ranks."""
     threads = config.threads or max(1, (os.cpu_count() or 1) // local_ranks)
     torch.set_num_threads(threads)
     return threads
-
-
-def run_worker(config: EngineConfig, rank: int | None = None, init_method: str | None = None,
-               threads: int | None = None) -> None:
-    """A rank above 0: its shard of the model, then every step's plan until told to stop.
-    Without arguments, the rank and group come from torchrun's environment."""
-    from conveyor.model.loader import load_model
-    from conveyor.worker.runner import ModelRunner
-
-    logging.basicConfig(level=logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    device = config.torch_device()
-    if rank is None:
-        rank = int(os.environ["RANK"])
-        local_rank = int(os.environ.get("LOCAL_RANK", rank))
-        _set_threads(config, int(os.environ.get("LOCAL_WORLD_SIZE",
-                                                config.tensor_parallel_size)))
-        init_method = config.distributed_init_method or "env://"
-    else:
-        local_rank = rank
-        torch.set_num_threads(threads)
-    group = TensorParallel(rank, config.tensor_parallel_size, init_method,
-                           _rank_device(device, local_rank))
-    loaded = load_model(config.model, config.quantization)
-    setup = group.receive()
-    runner = ModelRunner(loaded.config, loaded.weights, quantized=loaded.quantized,
-                         device=group.device, seed=config.seed, block_size=config.block_size,
-                         tensor_parallel=group, **setup)
-    del loaded
-    group.barrier()  # ready: rank 0 waits for every rank
-    while (plan := group.receive()) is not None:
-        runner.follow(plan)
-    group.close()
