@@ -88,6 +88,13 @@ def test_top_p_keeps_the_smallest_set_reaching_p(make):
     assert tokens == {0, 1}  # 0.5 < 0.7, so the 0.3 token is needed too; nothing more
 
 
+def test_a_top_k_past_the_vocabulary_keeps_every_token(make):
+    """(a top_k of 2**63 or more, which the API takes, must not overflow a kernel's int64)"""
+    logits = torch.zeros(400, V)
+    out = make(V, 0)(logits, [req(str(i), temperature=1.0, top_k=2**70) for i in range(400)])
+    assert len({r.token_id for r in out}) > V // 2
+
+
 def test_greedy_is_argmax_and_temperature_zero_ignores_filters(make):
     logits = torch.randn(4, V)
     out = make(V, 0)(logits, [req(str(i), temperature=0, top_k=3)

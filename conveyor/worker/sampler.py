@@ -197,7 +197,7 @@ class Sampler:
         temps = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev)
         if self.draw is not None:
             return self.draw(
-                logits, temps, torch.tensor([p.top_k for p in params], dtype=torch.int64),
+                logits, temps, torch.tensor([min(max(p.top_k, 0), V) for p in params]),
                 torch.tensor([p.top_p for p in params], dtype=torch.float32),
                 torch.tensor([p.min_p for p in params], dtype=torch.float32),
                 self._uniforms(requests).double())
