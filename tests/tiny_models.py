@@ -176,14 +176,14 @@ def random_k_quant_blocks(qtype: gguf.GGMLQuantizationType, scale: np.ndarray, k
 
 def write_gguf(path: str, model: transformers.PreTrainedModel, *,
                types: dict[str, gguf.GGMLQuantizationType] | None = None,
-               tokenizer: bool = False) -> str:
+               tokenizer: bool = False, metadata: dict[str, int] | None = None) -> str:
     """A GGUF of a tiny transformers model, laid out as llama.cpp's converter would; returns path.
 
     types: ggml type by GGUF tensor kind (``"attn_q"``, ``"token_embd"``...) for 2-D weights,
     F32 otherwise. A K-quant tensor is random blocks (``random_k_quant_blocks``) of the
     weight's range: the file's weights, not the model's. tokenizer: add TINY_VOCAB as a
     byte-level BPE (the model's vocab_size must be len(TINY_VOCAB)), so that ``load_model``
-    can load the file.
+    can load the file. metadata: more ``{arch}.*`` keys (without the prefix), as uint32.
     """
     c = model.config
     arch = c.model_type
@@ -199,6 +199,8 @@ def write_gguf(path: str, model: transformers.PreTrainedModel, *,
         writer.add_key_length(c.head_dim)
     writer.add_layer_norm_rms_eps(c.rms_norm_eps)
     writer.add_rope_freq_base(c.rope_parameters["rope_theta"])
+    for key, value in (metadata or {}).items():
+        writer.add_uint32(f"{arch}.{key}", value)
     if tokenizer:
         assert c.vocab_size == len(TINY_VOCAB), "make the model with vocab_size=len(TINY_VOCAB)"
         writer.add_tokenizer_model("gpt2")

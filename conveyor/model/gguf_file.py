@@ -141,7 +141,35 @@ def gguf_config(reader: GGUFFile) -> ModelConfig:
         torch_dtype=None,
     )
     _check_counts(config, tensors)
+    _refuse_unread(reader, config)
     return config
+
+
+# ``{arch}.*`` keys ``gguf_config`` reads; every other one must hold what the network without
+# it would (``_AT``: a function of the config) or is refused. Keys outside ``{arch}.*``
+# (general.*, tokenizer.*, quantize.*, split.*) are metadata.
+_READ = frozenset({"context_length", "embedding_length", "block_count", "feed_forward_length",
+                   "attention.head_count", "attention.head_count_kv", "attention.key_length",
+                   "attention.layer_norm_rms_epsilon", "rope.freq_base", "rope.scaling.type",
+                   "vocab_size"})
+_AT = {"rope.dimension_count": lambda c: c.head_dim, "attention.value_length": lambda c: c.head_dim,
+       "expert_count": lambda c: 0, "expert_used_count": lambda c: 0}
+_UNUSED_WITHOUT_SCALING = ("rope.scaling.",)  # (factors of a scaling type "none")
+
+
+def _refuse_unread(reader: GGUFFile, config: ModelConfig) -> None:
+    arch = config.architecture
+    for key in reader.keys:
+        if not key.startswith(arch + "."):
+            continue
+        name = key[len(arch) + 1:]
+        if name in _READ or name.startswith(_UNUSED_WITHOUT_SCALING):
+            continue
+        value = reader.value(key)
+        if name in _AT and value == _AT[name](config):
+            continue
+        raise ValueError(f"GGUF metadata {key} = {value!r:.80} is not implemented for {arch}: "
+                         f"it may change the network's output")
 
 
 def _check_counts(config: ModelConfig, tensor_names: Iterable[str]) -> None:

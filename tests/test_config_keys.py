@@ -1,0 +1,88 @@
+"""Nothing silently wrong: every config.json key is metadata, read, or refused at load with its
+name; a sliding window Conveyor does not compute caps the model length instead of being ignored."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from conveyor.llm import LLM
+from conveyor.model.config import ModelConfig
+from conveyor.model.gguf_file import gguf_config, read_gguf
+from conveyor.sampling_params import SamplingParams
+
+from tiny_models import _CONFIG_CLASSES, make_tiny_checkpoint, make_tiny_model, write_gguf
+
+# One output-changing key each family's config could carry, at a value Conveyor does not run.
+UNIMPLEMENTED = [
+    ("hidden_act", "gelu_pytorch_tanh"),
+    ("mlp_bias", True),
+    ("partial_rotary_factor", 0.5),
+    ("attn_logit_softcapping", 50.0),
+    ("final_logit_softcapping", 30.0),
+    ("quantization_config", {"quant_method": "awq", "bits": 4}),
+    ("num_local_experts", 8),  # a key Conveyor has never heard of
+    ("layer_types", ["full_attention", "chunked_attention"]),
+]
+
+
+def hf_config(arch: str, **overrides) -> dict:
+    """What transformers writes for this family (every key of its config class)."""
+    return {**_CONFIG_CLASSES[arch](num_hidden_layers=2).to_dict(), **overrides}
+
+
+@pytest.mark.parametrize("arch", sorted(_CONFIG_CLASSES))
+def test_what_transformers_writes_is_accepted(arch):
+    assert ModelConfig.from_hf_config(hf_config(arch)).architecture == arch
+
+
+@pytest.mark.parametrize("key,value", UNIMPLEMENTED, ids=[k for k, _ in UNIMPLEMENTED])
+@pytest.mark.parametrize("arch", sorted(_CONFIG_CLASSES))
+def test_an_unimplemented_key_is_refused_by_name(arch, key, value):
+    with pytest.raises(ValueError, match=key):
+        ModelConfig.from_hf_config(hf_config(arch, **{key: value}))
+
+
+@pytest.mark.parametrize("arch,overrides,window", [
+    ("mistral", {"sliding_window": 24}, 24),
+    ("mistral", {"sliding_window": None}, None),
+    ("qwen2", {"sliding_window": 24, "use_sliding_window": False}, None),
+    ("qwen2", {"sliding_window": 24, "use_sliding_window": True, "max_window_layers": 1}, 24),
+    ("qwen2", {"sliding_window": 24, "use_sliding_window": True, "max_window_layers": 2}, None),
+    ("qwen3", {"sliding_window": 24, "layer_types": ["full_attention", "sliding_attention"]}, 24),
+    ("llama", {}, None),
+])
+def test_which_configs_have_a_sliding_window(arch, overrides, window):
+    config = {k: v for k, v in hf_config(arch, **overrides).items()
+              if k != "layer_types" or "layer_types" in overrides}
+    assert ModelConfig.from_hf_config(config).sliding_window == window
+
+
+def test_a_sliding_window_caps_the_model_length(tmp_path, caplog):
+    """The issue's case: Mistral with a 24-token window answered past it as if it had none."""
+    folder = make_tiny_checkpoint(tmp_path / "swa", "mistral", sliding_window=24)
+    with caplog.at_level(logging.WARNING, logger="conveyor"):
+        llm = LLM(folder, dtype="float32", num_kv_blocks=16, max_num_seqs=2)
+    assert llm.engine.max_model_len == 24
+    assert "sliding window" in caplog.text
+    with pytest.raises(ValueError, match="max_model_len"):
+        llm.engine.inputs.check_request(list(range(3, 23)), SamplingParams(max_tokens=8))
+    with pytest.raises(ValueError, match="sliding window"):
+        LLM(folder, dtype="float32", num_kv_blocks=16, max_num_seqs=2, max_model_len=64)
+
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_gguf_metadata_is_read_or_refused(arch, tmp_path):
+    model = make_tiny_model(arch)
+    head_dim = model.config.hidden_size // model.config.num_attention_heads \
+        if arch != "qwen3" else model.config.head_dim
+    plain = write_gguf(str(tmp_path / "plain.gguf"), model,
+                       metadata={"rope.dimension_count": head_dim})
+    assert gguf_config(read_gguf(plain)).head_dim == head_dim
+    for key, value in [("rope.dimension_count", head_dim // 2),  # partial rotary
+                       ("attention.sliding_window", 24), ("expert_count", 8)]:
+        path = write_gguf(str(tmp_path / f"{key}.gguf"), model, metadata={key: value})
+        with pytest.raises(ValueError, match=f"{arch}.{key}"):
+            gguf_config(read_gguf(path))
