@@ -174,6 +174,10 @@ TINY = {
     "llama-bf16": ("llama", {"dtype": torch.bfloat16}),  # the kernels read its bfloat16 rows
     "qwen2-fp16": ("qwen2", {"dtype": torch.float16}),
     "llama3-rope-tied": ("llama", {"rope_scaling": "llama3", "tie_word_embeddings": True}),
+    # a short pretrained length, so that the ramp between kept and interpolated dimensions
+    # falls inside the tiny head; the attention factor scales every score
+    "qwen2-rope-yarn": ("qwen2", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0,
+                                                   "original_max_position_embeddings": 64}}),
     "mistral": ("mistral", {}),
     "qwen2": ("qwen2", {}),
     "qwen3": ("qwen3", {}),

@@ -268,7 +268,7 @@ def test_config_transformers5_rope_parameters() -> None:
 @pytest.mark.parametrize(
     "rope",
     [
-        {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}},
+        {"rope_scaling": {"rope_type": "longrope", "factor": 4.0}},
         {"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}},
         {"rope_scaling": {"rope_type": "llama3", "factor": 8.0}},  # missing llama3 fields
     ],

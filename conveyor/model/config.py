@@ -44,6 +44,8 @@ _READ_KEYS = frozenset({
 _ROPE_SCALING_FIELDS = {
     "linear": ("factor",),
     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+    # (beta_fast, beta_slow, mscale, mscale_all_dim, attention_factor, truncate: optional)
+    "yarn": ("factor", "original_max_position_embeddings"),
 }
 
 
@@ -59,7 +61,7 @@ class ModelConfig:
     head_dim: int
     rms_norm_eps: float
     rope_theta: float
-    rope_scaling: dict[str, Any] | None  # None, or {"rope_type": "llama3" | "linear", <its fields>}
+    rope_scaling: dict[str, Any] | None  # None, or {"rope_type": "llama3" | "linear" | "yarn", ...}
     max_position_embeddings: int
     tie_word_embeddings: bool
     attention_bias: bool  # q/k/v projections have a bias (qwen2)
@@ -150,6 +152,8 @@ def _parse_rope(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     rope_type = scaling.get("rope_type", "default")
     if rope_type == "default":
         return theta, None
+    if rope_type == "yarn":  # the pretrained length, as transformers defaults it
+        scaling.setdefault("original_max_position_embeddings", cfg.get("max_position_embeddings"))
     if rope_type not in _ROPE_SCALING_FIELDS:
         raise ValueError(
             f"unsupported rope scaling type {rope_type!r} (supported: default, {', '.join(_ROPE_SCALING_FIELDS)})"
