@@ -3,9 +3,11 @@ engine queues anything; every refusal is a ValueError naming the problem."""
 
 from __future__ import annotations
 
+import inspect
 import logging
 
 import jinja2
+import transformers
 
 from conveyor.core.grammar import GrammarCompiler
 from conveyor.sampling_params import SamplingParams
@@ -26,18 +28,30 @@ def _check_text(text: str, what: str) -> None:
                          f"{e.start}") from e
 
 
+# apply_chat_template's own arguments and what it hands the template itself: not variables a
+# request may set
+_TEMPLATE_ARGUMENTS = (frozenset(inspect.signature(
+    transformers.PreTrainedTokenizerBase.apply_chat_template).parameters) - {"kwargs"}) | {
+    "messages", "tools", "documents", "add_generation_prompt"}
+
+
 def render_chat(tokenizer, model_name: str, messages: list[dict],
-                add_generation_prompt: bool = True, tools: list[dict] | None = None) -> str:
+                add_generation_prompt: bool = True, tools: list[dict] | None = None,
+                template_kwargs: dict | None = None) -> str:
     """The chat template is code from the model file: transformers renders it in Jinja's
-    immutable sandbox, which refuses any reach into Python internals (SecurityError)."""
+    immutable sandbox, which refuses any reach into Python internals (SecurityError).
+    ``template_kwargs``: more variables for the template (``enable_thinking``...)."""
+    clash = sorted(set(template_kwargs or {}) & _TEMPLATE_ARGUMENTS)
+    if clash:
+        raise ValueError(f"chat_template_kwargs may not set {', '.join(clash)}")
     try:
         return tokenizer.apply_chat_template(
             messages, tools=tools, tokenize=False,
-            add_generation_prompt=add_generation_prompt)
+            add_generation_prompt=add_generation_prompt, **(template_kwargs or {}))
     except jinja2.exceptions.SecurityError as e:
         raise ValueError(f"the chat template of {model_name} was refused: it tried "
                          f"to reach Python internals ({e})") from e
-    except jinja2.exceptions.TemplateError as e:
+    except (jinja2.exceptions.TemplateError, TypeError) as e:
         raise ValueError(f"the chat template of {model_name} failed on these "
                          f"messages: {e}") from e
 
@@ -104,8 +118,10 @@ class InputProcessor:
         return text, ids
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            tools: list[dict] | None = None) -> list[int]:
-        """``tools``: OpenAI's tool definitions, for a template that renders them."""
+                            tools: list[dict] | None = None,
+                            template_kwargs: dict | None = None) -> list[int]:
+        """``tools``: OpenAI's tool definitions, for a template that renders them;
+        ``template_kwargs``: more variables for the template."""
         if not messages:
             raise ValueError("messages must not be empty")
         for m in messages:
@@ -117,5 +133,6 @@ class InputProcessor:
         if not self.tokenizer.chat_template:
             raise ValueError(f"model {self.model_name} has no chat template")
         return self.tokenizer.encode(
-            render_chat(self.tokenizer, self.model_name, messages, add_generation_prompt, tools),
+            render_chat(self.tokenizer, self.model_name, messages, add_generation_prompt, tools,
+                        template_kwargs),
             add_special_tokens=False)

@@ -24,6 +24,7 @@ from conveyor.server.protocol import (
     TopLogprob,
     UsageInfo,
 )
+from conveyor.server.reasoning import ReasoningDeltas, split_reasoning
 from conveyor.server.state import ServerState, collect, engine_failure
 from conveyor.server.streaming import SSE_DONE, TextDeltas, sse
 from conveyor.server.tools import (
@@ -62,9 +63,11 @@ async def create_chat_completion(body: ChatCompletionRequest, raw: Request,
         raise bad_request(str(e), "tool_choice") from e
     try:
         messages, tools = template_messages(body, mode, state.engine.tokenizer.chat_template or "")
-        ids = state.engine.inputs.apply_chat_template(messages, body.add_generation_prompt, tools)
+        ids = state.engine.inputs.apply_chat_template(messages, body.add_generation_prompt, tools,
+                                                      body.chat_template_kwargs)
     except ValueError as e:
-        raise bad_request(str(e), "messages") from e
+        param = "chat_template_kwargs" if str(e).startswith("chat_template_kwargs") else "messages"
+        raise bad_request(str(e), param) from e
     max_tokens = body.max_completion_tokens or body.max_tokens
     limit_param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
     if max_tokens is None:  # as much as the context leaves, as vLLM does
@@ -87,19 +90,28 @@ async def create_chat_completion(body: ChatCompletionRequest, raw: Request,
     out = finals[0]
     choices = []
     for s in out.outputs:
-        content, calls = parse_tool_calls(s.text, mode)
+        reasoning, text = (split_reasoning(s.text, state.reasoning_parser)
+                           if state.reasoning_parser else (None, s.text))
+        content, calls = parse_tool_calls(text or "", mode)
         choices.append(ChatChoice(
-            index=s.index, message=AssistantMessage(content=content, tool_calls=calls),
+            index=s.index, message=AssistantMessage(content=content if text is not None else None,
+                                                    reasoning_content=reasoning,
+                                                    tool_calls=calls),
             logprobs=_logprobs(s, slice(None), top) if top is not None else None,
             finish_reason=finish_reason(s, calls)))
     return ChatCompletionResponse(id=request_id, created=created, model=state.model_name,
                                   choices=choices, usage=UsageInfo.of([out]))
 
 
-def _plain_delta(deltas: TextDeltas, sample: CompletionOutput
+def _plain_delta(deltas: TextDeltas | ReasoningDeltas, sample: CompletionOutput
                  ) -> tuple[DeltaMessage | None, slice]:
-    text, tokens = deltas.next(sample)
-    return (DeltaMessage(content=text or None) if text or sample.finished else None), tokens
+    if isinstance(deltas, ReasoningDeltas):
+        reasoning, text, tokens = deltas.next(sample)
+    else:
+        (text, tokens), reasoning = deltas.next(sample), ""
+    if not (text or reasoning or sample.finished):
+        return None, tokens
+    return DeltaMessage(content=text or None, reasoning_content=reasoning or None), tokens
 
 
 async def _stream(state: ServerState, body: ChatCompletionRequest, request_id: str, created: int,
@@ -107,8 +119,9 @@ async def _stream(state: ServerState, body: ChatCompletionRequest, request_id: s
                   ) -> AsyncIterator[str]:
     top = (body.top_logprobs or 0) if body.logprobs else None
     with_tools = mode not in (None, "none")
-    deltas = [ToolCallDeltas(mode, TextDeltas(stop)) if with_tools else TextDeltas(stop)
-              for _ in range(body.n)]
+    deltas = [ToolCallDeltas(mode, TextDeltas(stop)) if with_tools
+              else ReasoningDeltas(state.reasoning_parser, TextDeltas(stop))
+              if state.reasoning_parser else TextDeltas(stop) for _ in range(body.n)]
     latest: RequestOutput | None = None
 
     def chunk(choices: list[ChatChunkChoice], usage: UsageInfo | None = None) -> str:

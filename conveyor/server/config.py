@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from conveyor.settings import setting
+from conveyor.server.reasoning import PARSERS
+from conveyor.settings import check_choices, setting
 
 
 @dataclass
@@ -27,8 +28,12 @@ class ServerConfig:
               "set CONVEYOR_API_KEY, which keeps it out of ps)")
     dashboard_public: bool = setting(
         False, "serve the dashboard (it shows prompts) without a key on a non-loopback host")
+    reasoning_parser: str | None = setting(
+        None, "a reasoning model's <think>...</think> goes to the chat message's "
+              "reasoning_content (default: none, all is content)", choices=PARSERS)
 
     def __post_init__(self) -> None:
+        check_choices(self)
         for name in ("max_queue_len", "max_concurrent_requests", "max_body_bytes"):
             value = getattr(self, name)
             if value is not None and value < 1:

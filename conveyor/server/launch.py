@@ -81,7 +81,7 @@ def run_server(config: EngineConfig, settings: ServerConfig) -> None:
     engine = engine_thread.engine
     names = settings.served_model_name or [engine.model_name]
     state = ServerState(engine, engine_thread, ServerMetrics(names[0]), names,
-                        settings.request_timeout)
+                        settings.request_timeout, settings.reasoning_parser)
     app = build_app(state, f"{_ready_message(state, settings)}; "
                            f"{_access_message(settings, api_key, dashboard_open)}",
                     api_key, dashboard_open, settings.max_body_bytes or DEFAULT_MAX_BODY_BYTES)

@@ -7,7 +7,7 @@ field before any work is queued, and so that the generated OpenAPI schema states
 from __future__ import annotations
 
 import time
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -259,6 +259,8 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     add_generation_prompt: bool = True
+    # keywords for the chat template (e.g. {"enable_thinking": false}), as vLLM takes them
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class TopLogprob(BaseModel):
@@ -278,6 +280,8 @@ class ChatLogprobs(BaseModel):
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    # with --reasoning-parser only (absent otherwise, as OpenAI sends it)
+    reasoning_content: str | None = Field(None, exclude_if=lambda v: v is None)
     tool_calls: list[ToolCall] = []
 
 
@@ -312,6 +316,7 @@ class DeltaToolCall(BaseModel):
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = Field(None, exclude_if=lambda v: v is None)
     # absent, not null, in a delta without calls (as OpenAI streams them)
     tool_calls: list[DeltaToolCall] | None = Field(None, exclude_if=lambda v: v is None)
 

@@ -37,6 +37,7 @@ class ServerState:
     metrics: ServerMetrics
     served_model_names: list[str]
     request_timeout: float | None = None  # --request-timeout: the default and the most
+    reasoning_parser: str | None = None  # --reasoning-parser
 
     @property
     def model_name(self) -> str:

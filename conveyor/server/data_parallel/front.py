@@ -225,8 +225,8 @@ def run_front(engine: EngineConfig, settings: ServerConfig) -> None:
                                            log_level="info"))
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: None)
-    logger.info("ready on http://%s:%d: %d data-parallel replicas of %s", settings.host, settings.port,
-                n, " ".join(flags))
+    logger.info("ready on http://%s:%d: %d data-parallel replicas of %s", settings.host,
+                settings.port, n, " ".join(flags))
     try:
         server.run()
     finally:
