@@ -44,6 +44,13 @@ def test_an_unimplemented_key_is_refused_by_name(arch, key, value):
         ModelConfig.from_hf_config(hf_config(arch, **{key: value}))
 
 
+def test_a_partial_rotary_factor_in_the_rope_parameters_is_refused():
+    config = hf_config("phi3")
+    config["rope_parameters"] = dict(config["rope_parameters"], partial_rotary_factor=0.75)
+    with pytest.raises(ValueError, match="partial_rotary_factor = 0.75"):
+        ModelConfig.from_hf_config(config)
+
+
 @pytest.mark.parametrize("arch,overrides,window", [
     ("mistral", {"sliding_window": 24}, 24),
     ("mistral", {"sliding_window": None}, None),
@@ -52,6 +59,7 @@ def test_an_unimplemented_key_is_refused_by_name(arch, key, value):
     ("qwen2", {"sliding_window": 24, "use_sliding_window": True, "max_window_layers": 2}, None),
     ("qwen3", {"sliding_window": 24, "layer_types": ["full_attention", "sliding_attention"]}, 24),
     ("llama", {}, None),
+    ("phi3", {"sliding_window": 24}, 24),
 ])
 def test_which_configs_have_a_sliding_window(arch, overrides, window):
     config = {k: v for k, v in hf_config(arch, **overrides).items()

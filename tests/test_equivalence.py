@@ -181,6 +181,7 @@ TINY = {
     "mistral": ("mistral", {}),
     "qwen2": ("qwen2", {}),
     "qwen3": ("qwen3", {}),
+    "phi3": ("phi3", {}),
 }
 
 

@@ -38,12 +38,14 @@ _ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
     "mistral": {"sliding_window": None},
     "qwen2": {},
     "qwen3": {"head_dim": 32},  # deliberately != hidden_size / num_heads
+    "phi3": {"pad_token_id": 0},  # (q/k/v and gate/up stored fused)
 }
 _CONFIG_CLASSES = {
     "llama": transformers.LlamaConfig,
     "mistral": transformers.MistralConfig,
     "qwen2": transformers.Qwen2Config,
     "qwen3": transformers.Qwen3Config,
+    "phi3": transformers.Phi3Config,
 }
 
 LLAMA3_ROPE_SCALING = {
@@ -110,7 +112,7 @@ def make_tiny_checkpoint(folder: str | os.PathLike[str], arch: str, *,
                          dtype: torch.dtype = torch.float32, **overrides: Any) -> str:
     """Write a tiny HF checkpoint (safetensors, config, SmolLM2 tokenizer) into folder and return its path.
 
-    arch is llama, mistral, qwen2 or qwen3; dtype the tensors' (float32, or rounded to
+    arch is llama, mistral, qwen2, qwen3 or phi3; dtype the tensors' (float32, or rounded to
     bfloat16 or float16); overrides are transformers config kwargs (e.g.
     tie_word_embeddings=True, rope_scaling=LLAMA3_ROPE_SCALING).
     """

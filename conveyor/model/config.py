@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+# phi3: the Llama network with q/k/v and gate/up stored fused (Phi-3, Phi-3.5, Phi-4-mini)
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
 
 # config.json keys that say nothing about the network's output: names, token ids (the
 # tokenizer's and generation's), training and runtime switches, transformers' bookkeeping.
@@ -15,6 +16,7 @@ METADATA_KEYS = frozenset({
     "bos_token_id", "eos_token_id", "pad_token_id", "sep_token_id", "decoder_start_token_id",
     "tokenizer_class", "prefix", "id2label", "label2id", "problem_type", "task_specific_params",
     "finetuning_task", "initializer_range", "attention_dropout", "hidden_dropout",
+    "resid_pdrop", "embd_pdrop",
     "dropout", "use_cache", "return_dict", "output_attentions", "output_hidden_states",
     "torchscript", "use_bfloat16", "tf_legacy_loss", "chunk_size_feed_forward",
     "is_encoder_decoder", "is_decoder", "add_cross_attention", "tie_encoder_decoder",
@@ -38,7 +40,7 @@ _READ_KEYS = frozenset({
     "num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps", "rope_theta",
     "rope_scaling", "rope_parameters", "max_position_embeddings", "tie_word_embeddings",
     "attention_bias", "torch_dtype", "dtype", "sliding_window", "use_sliding_window",
-    "max_window_layers", "layer_types"})
+    "max_window_layers", "layer_types", "original_max_position_embeddings"})
 
 # Fields each supported rope scaling type needs, spelled as in Hugging Face configs.
 _ROPE_SCALING_FIELDS = {
@@ -145,6 +147,10 @@ def _parse_rope(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     """(rope_theta, rope_scaling) from old-style `rope_theta`/`rope_scaling` or transformers-5 `rope_parameters`."""
     params = dict(cfg.get("rope_parameters") or {})
     theta = float(params.pop("rope_theta", None) or cfg.get("rope_theta") or 10000.0)
+    partial = params.pop("partial_rotary_factor", 1.0)
+    if partial not in (1.0, None):  # (transformers 5 moves it here from the config's top)
+        raise ValueError(f"config.json partial_rotary_factor = {partial!r} is not implemented "
+                         f"(only 1.0)")
     scaling = dict(cfg.get("rope_scaling") or params)
     if "type" in scaling:
         scaling.setdefault("rope_type", scaling.pop("type"))
@@ -152,6 +158,9 @@ def _parse_rope(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     rope_type = scaling.get("rope_type", "default")
     if rope_type == "default":
         return theta, None
+    if rope_type in ("llama3", "yarn") and cfg.get("original_max_position_embeddings"):
+        # (Phi-3 keeps the pretrained length at the top, and transformers prefers it there)
+        scaling["original_max_position_embeddings"] = cfg["original_max_position_embeddings"]
     if rope_type == "yarn":  # the pretrained length, as transformers defaults it
         scaling.setdefault("original_max_position_embeddings", cfg.get("max_position_embeddings"))
     if rope_type not in _ROPE_SCALING_FIELDS:

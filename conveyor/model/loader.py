@@ -48,6 +48,12 @@ _HF_LAYER_NAMES = {
     "mlp.up_proj.weight": "feed_forward.w3.weight",
     "mlp.down_proj.weight": "feed_forward.w2.weight",
 }
+# Matrices some families store fused (Phi-3): their parts' names, split by output rows.
+_HF_FUSED_LAYER_NAMES = {
+    "self_attn.qkv_proj.weight": ("attention.wq.weight", "attention.wk.weight",
+                                  "attention.wv.weight"),
+    "mlp.gate_up_proj.weight": ("feed_forward.w1.weight", "feed_forward.w3.weight"),
+}
 _HF_LAYER_RE = re.compile(r"model\.layers\.(\d+)\.(.+)")
 
 
@@ -230,6 +236,14 @@ def _hf_weights(tensors: dict[str, torch.Tensor], config: ModelConfig) -> dict[s
             continue
         name = _HF_TOP_LEVEL_NAMES.get(hf_name)
         m = _HF_LAYER_RE.fullmatch(hf_name)
+        if m is not None and m.group(2) in _HF_FUSED_LAYER_NAMES:  # its parts, views of it
+            parts = _HF_FUSED_LAYER_NAMES[m.group(2)]
+            sizes = _fused_rows(config, len(parts))
+            if tensor.shape[0] != sum(sizes):
+                raise ValueError(f"{hf_name} has {tensor.shape[0]} rows, not {sum(sizes)}")
+            for part, rows in zip(parts, tensor.split(sizes)):
+                weights[f"layers.{m.group(1)}.{part}"] = rows
+            continue
         if name is None and m is not None and m.group(2) in _HF_LAYER_NAMES:
             name = f"layers.{m.group(1)}.{_HF_LAYER_NAMES[m.group(2)]}"
         if name is None:
@@ -239,6 +253,13 @@ def _hf_weights(tensors: dict[str, torch.Tensor], config: ModelConfig) -> dict[s
     if unexpected:
         raise ValueError(f"unexpected tensors in checkpoint: {', '.join(sorted(unexpected)[:5])}")
     return weights
+
+
+def _fused_rows(config: ModelConfig, parts: int) -> list[int]:
+    """The rows of each part of a fused q/k/v (3 parts) or gate/up (2) matrix."""
+    if parts == 3:
+        return [config.num_heads * config.head_dim] + [config.num_kv_heads * config.head_dim] * 2
+    return [config.intermediate_size] * 2
 
 
 def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:

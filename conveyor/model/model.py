@@ -1,4 +1,4 @@
-"""The Llama-family network (Llama, Mistral, Qwen2, Qwen3) as a few plain PyTorch modules.
+"""The Llama-family network (Llama, Mistral, Qwen2, Qwen3, Phi-3) as a few plain PyTorch modules.
 
 Weights arrive under the names ``conveyor.model.loader`` gives them; q/k/v and gate/up are fused
 here, once, at load, so each layer runs two matmuls fewer (a matrix read from its GGUF blocks
