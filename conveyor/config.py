@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass
-from typing import ClassVar
 
 import torch
 
@@ -48,11 +47,9 @@ class EngineConfig:
     """The engine's settings, spelled as vLLM spells them: the ``conveyor generate`` and
     ``conveyor serve`` flags and ``LLM``'s keywords are these fields (``conveyor.settings``)."""
 
-    DTYPES: ClassVar[tuple[str, ...]] = ("auto", *_DTYPES)
-
     model: str | None = setting(
         None, "a .gguf file or a Hugging Face folder (default: SmolLM2-135M-Instruct)")
-    dtype: str = setting("auto", "the model's dtype", choices=DTYPES)
+    dtype: str = setting("auto", "the model's dtype", choices=("auto", *_DTYPES))
     block_size: int = setting(16, "tokens per KV page")
     num_kv_blocks: int | None = setting(None, "KV pages in the pool")
     kv_cache_memory: int | str | None = setting(

@@ -69,6 +69,6 @@ class LLM:
              use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation or a list of them, then generate."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [{"prompt_token_ids": self.engine.inputs.apply_chat_template(c, add_generation_prompt)}
-                   for c in conversations]
+        prompts = [{"prompt_token_ids": self.engine.inputs.apply_chat_template(
+            c, add_generation_prompt)} for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)

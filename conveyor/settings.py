@@ -35,9 +35,13 @@ def _base_type(cls: type, name: str) -> tuple[type, bool]:
     return (args[0] if len(args) == 1 else str), False
 
 
-def add_arguments(parser: argparse._ActionsContainer, cls: type) -> None:
-    """A flag for every field of the settings dataclass ``cls``, default shown in the help."""
+def add_arguments(parser: argparse._ActionsContainer, cls: type,
+                  only: tuple[str, ...] | None = None) -> None:
+    """A flag for every field of the settings dataclass ``cls`` (or those named ``only``),
+    default shown in the help."""
     for f in dataclasses.fields(cls):
+        if only is not None and f.name not in only:
+            continue
         meta = f.metadata
         names = [flag(f.name)] + ([meta["short"]] if meta.get("short") else [])
         shown = "" if f.default is None else f" (default: {f.default})"
@@ -57,7 +61,8 @@ def check_choices(settings: Any) -> None:
     default)."""
     for f in dataclasses.fields(settings):
         choices, value = f.metadata.get("choices"), getattr(settings, f.name)
-        if choices is not None and value not in choices and not (value is None is f.default):
+        unset = value is None and f.default is None
+        if choices is not None and value not in choices and not unset:
             raise ValueError(f"{f.name} must be one of {list(choices)}, got {value!r}")
 
 

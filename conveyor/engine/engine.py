@@ -36,7 +36,6 @@ logger = logging.getLogger("conveyor")
 STEP_HISTORY = 20_000  # per-step records kept for /v1/engine/steps (a few MB at most)
 
 
-
 @dataclass
 class _Sample:
     """One of a request's n samples: the schedulable request plus its text."""

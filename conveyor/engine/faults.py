@@ -75,7 +75,7 @@ def install(engine: Any) -> None:
     add_request, advance = engine.add_request, engine._advance
 
     def faulty_add_request(request_id, prompt, params, *args, **kwargs) -> None:
-        text, ids = engine.inputs.check_request(prompt, params)
+        text, ids = engine.inputs.tokenize(prompt)  # (add_request checks the request)
         text = engine.tokenizer.decode(ids) if text is None else text
         kind = next((k for k, marker in faults.items() if marker in text), None)
         if kind == "engine":

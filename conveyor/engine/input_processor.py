@@ -55,6 +55,7 @@ def render_chat(tokenizer, model_name: str, messages: list[dict],
         raise ValueError(f"the chat template of {model_name} failed on these "
                          f"messages: {e}") from e
 
+
 def check_chat_template(tokenizer, model_name: str) -> None:
     """Render the template once at load: one that reaches for Python internals on a plain
     conversation is refused before anything is served."""

@@ -118,7 +118,8 @@ class ArgmaxRows:
 
 
 class SampleRows:
-    """One token a row drawn under temperature, top_k, top_p and min_p (``csrc/generic/sample.c``)."""
+    """One token a row drawn under temperature, top_k, top_p and min_p
+    (``csrc/generic/sample.c``)."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         fn = lib.sample_rows

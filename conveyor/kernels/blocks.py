@@ -27,9 +27,9 @@ class QuantizedWeight:
     """A weight in the GGUF's own blocks, one row of blocks per output feature: as the file
     stores them, or (``wide``, Q4_0/Q4_1/Q8_0) with each block's fp16 scale (and min) widened
     to float32 in place: exact, 2 bytes more a scalar, which the bfloat16 kernels broadcast
-    instead of converting (docs/results/design-notes#wide-scalars). The float32 kernels, bound at a decode's few rows
-    by reading the blocks, take them as stored (Q4_1: 20 bytes a block, not 24) and convert the
-    scales."""
+    instead of converting (docs/results/design-notes#wide-scalars). The float32 kernels, bound
+    at a decode's few rows by reading the blocks, take them as stored (Q4_1: 20 bytes a block,
+    not 24) and convert the scales."""
 
     ggml_type: int
     blocks: torch.Tensor  # uint8 [out_features, in_features // block_values * block_bytes]

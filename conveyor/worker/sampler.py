@@ -9,12 +9,11 @@ from dataclasses import dataclass
 
 import torch
 
+from conveyor.core.request import Request
+
 # (logits [R, V], temperature, top_k, top_p, min_p, uniform: one a row) -> tokens [R]
 Draw = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                  torch.Tensor], torch.Tensor]
-
-from conveyor.core.request import Request
-
 _NEG_INF = float("-inf")
 
 
@@ -183,8 +182,9 @@ class Sampler:
         """One token a row from softmax(logits / temperature) restricted to the top_k tokens,
         then to the top_p nucleus of those (the fewest most likely whose mass reaches top_p),
         then to the tokens at least min_p times as likely as the most likely; renormalised.
+        With ``draw`` (the CPU kernel) that is all done there, from one uniform a row.
 
-        No row is sorted: the nucleus is found by rejection (as FlashInfer samples top-p): draw
+        Here, no row is sorted: the nucleus is found by rejection (as FlashInfer samples top-p): draw
         from the tokens allowed so far (one uniform a row, inverse CDF), accept if the mass of
         the tokens more likely than the draw is at most top_p, else no token as unlikely as it
         can be in the nucleus, so the next draw is from the more likely ones only. Accepted
