@@ -19,7 +19,8 @@ from conveyor.kernels.blocks import QuantizedWeight
 from conveyor.kernels.library import cpu_kernels, kernels_at
 from conveyor.model.attention import gather_pages, write_kv
 from conveyor.model.config import ModelConfig
-from conveyor.model.model import Linear, RMSNorm, apply_rope, rope_tables
+from conveyor.model.model import Linear, RMSNorm
+from conveyor.model.rope import apply_rope, rope_tables
 
 from tiny_models import K_QUANT_RANGE, Q, random_k_quant_blocks
 
@@ -95,6 +96,37 @@ def test_decode_attention_matches_sdpa(tier, dtype, heads, kv_heads, dim, block_
     # One token attends only to itself: the output is that token's V row, exactly.
     page, head_of = int(tables[0, 0]), torch.arange(heads) // (heads // kv_heads)
     assert torch.equal(out[0], v_cache[page, 0, head_of])
+
+
+@pytest.mark.parametrize("tier,dtype", CASES)
+@pytest.mark.parametrize("window", [5, 16, 37])
+def test_decode_attention_window_scale_and_softcap(tier, dtype, window):
+    """A sliding window (its first key mid-page, at a page's start, or before the context),
+    a scale other than head_dim ** -0.5 and Gemma 2's soft cap, against the same sums written
+    out: only the window's keys count, the capped scores' softmax weighs them."""
+    heads, kv_heads, dim, block_size, scale, cap = 8, 2, 64, 16, 0.3, 2.0
+    kernel = built(tier, dtype, dim).decode_attention
+    gen = torch.Generator().manual_seed(window)
+    num_blocks = 32
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, dim, generator=gen).to(dtype)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, dim, generator=gen).to(dtype)
+    lens = torch.tensor([1, 20, 21, 32, 53, 80], dtype=torch.int32)
+    width = int((lens.max() + block_size - 1) // block_size)
+    tables = torch.randperm(num_blocks, generator=gen)[:len(lens) * width].view(len(lens), width)
+    tables = tables.to(torch.int32)
+    q = torch.randn(len(lens), heads, dim, generator=gen).to(dtype)
+    out = torch.empty_like(q)
+    kernel(q, k_cache, v_cache, tables, lens, out, scale=scale, window=window, softcap=cap)
+
+    k = gather_pages(k_cache, tables.long()).float()  # [n, keys, kv_heads, dim]
+    v = gather_pages(v_cache, tables.long()).float()
+    head_of = torch.arange(heads) // (heads // kv_heads)
+    for i, n in enumerate(lens.tolist()):
+        keys = slice(max(0, n - window), n)
+        s = torch.einsum("hd,thd->ht", q[i].float(), k[i, keys][:, head_of]) * scale
+        p = torch.softmax(torch.tanh(s / cap) * cap, dim=-1)
+        want = torch.einsum("ht,thd->hd", p, v[i, keys][:, head_of])
+        torch.testing.assert_close(out[i].float(), want, **close(dtype, dict(atol=2e-2, rtol=1e-2)))
 
 
 @pytest.mark.parametrize("tier,dtype", CASES)
@@ -319,11 +351,11 @@ def test_decode_stack_matches_the_layers(monkeypatch, default_gguf_path, native_
     assert llm.engine.runner.model.decode_stack is not None
     forward, compared = Transformer.forward, []
 
-    def both(self, input_ids, cos, sin, kv_caches, meta):
+    def both(self, input_ids, ropes, kv_caches, meta):
         stack = self.decode_stack
-        ours = forward(self, input_ids, cos, sin, kv_caches, meta)
+        ours = forward(self, input_ids, ropes, kv_caches, meta)
         self.decode_stack = None  # the layers rewrite this token's K/V before reading them
-        layers = forward(self, input_ids, cos, sin, kv_caches, meta)
+        layers = forward(self, input_ids, ropes, kv_caches, meta)
         self.decode_stack = stack
         if not meta.prefills:
             compared.append((ours.float(), layers.float()))
@@ -368,9 +400,9 @@ def test_prompt_tokens_as_queries_match_sdpa(monkeypatch, default_gguf_path, nat
               enable_prefix_caching=False)
     forward, with_prefills = Transformer.forward, []
 
-    def spy(self, input_ids, cos, sin, kv_caches, meta):
+    def spy(self, input_ids, ropes, kv_caches, meta):
         with_prefills.append(bool(meta.prefills))
-        return forward(self, input_ids, cos, sin, kv_caches, meta)
+        return forward(self, input_ids, ropes, kv_caches, meta)
 
     monkeypatch.setattr(Transformer, "forward", spy)
     # The prompts that one call of the stack takes and whose layers one by one read the same

@@ -182,6 +182,14 @@ TINY = {
     "qwen2": ("qwen2", {}),
     "qwen3": ("qwen3", {}),
     "phi3": ("phi3", {}),
+    # sliding windows shorter than the prompts and answers (5-90 tokens, then 40), across pages
+    # of 16: every layer's (Mistral), from the second layer on (Qwen2), every other (Gemma 2),
+    # the first of two with its own rope (Gemma 3)
+    "mistral-window": ("mistral", {"sliding_window": 24}),
+    "qwen2-window": ("qwen2", {"use_sliding_window": True, "sliding_window": 20,
+                              "max_window_layers": 1}),
+    "gemma2": ("gemma2", {"sliding_window": 24}),
+    "gemma3": ("gemma3", {"sliding_window": 24}),
 }
 
 

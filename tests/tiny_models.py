@@ -39,6 +39,11 @@ _ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
     "qwen2": {},
     "qwen3": {"head_dim": 32},  # deliberately != hidden_size / num_heads
     "phi3": {"pad_token_id": 0},  # (q/k/v and gate/up stored fused)
+    # a head of 16 (Gemma's default is 256) scored at 24 ** -0.5; soft caps low enough to bite
+    "gemma2": {"head_dim": 16, "query_pre_attn_scalar": 24, "attn_logit_softcapping": 5.0,
+               "final_logit_softcapping": 10.0, "sliding_window": 4096},
+    "gemma3": {"head_dim": 16, "query_pre_attn_scalar": 24, "sliding_window": 4096,
+               "layer_types": ["sliding_attention", "full_attention"]},
 }
 _CONFIG_CLASSES = {
     "llama": transformers.LlamaConfig,
@@ -46,6 +51,8 @@ _CONFIG_CLASSES = {
     "qwen2": transformers.Qwen2Config,
     "qwen3": transformers.Qwen3Config,
     "phi3": transformers.Phi3Config,
+    "gemma2": transformers.Gemma2Config,
+    "gemma3": transformers.Gemma3TextConfig,
 }
 
 LLAMA3_ROPE_SCALING = {
@@ -112,7 +119,7 @@ def make_tiny_checkpoint(folder: str | os.PathLike[str], arch: str, *,
                          dtype: torch.dtype = torch.float32, **overrides: Any) -> str:
     """Write a tiny HF checkpoint (safetensors, config, SmolLM2 tokenizer) into folder and return its path.
 
-    arch is llama, mistral, qwen2, qwen3 or phi3; dtype the tensors' (float32, or rounded to
+    arch is one of _CONFIG_CLASSES' keys; dtype the tensors' (float32, or rounded to
     bfloat16 or float16); overrides are transformers config kwargs (e.g.
     tie_word_embeddings=True, rope_scaling=LLAMA3_ROPE_SCALING).
     """

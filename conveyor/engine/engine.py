@@ -68,22 +68,6 @@ def resident_gib() -> tuple[float, float]:
     return kib["VmRSS"] / 2**20, kib["VmHWM"] / 2**20
 
 
-def _within_window(model_len: int, window: int | None, explicit: bool) -> int:
-    """Sliding-window attention is not implemented: a sequence no longer than the window is
-    attended to exactly, so the model length is capped there (said in one line), and an
-    explicit longer one is refused."""
-    if window is None or model_len <= window:
-        return model_len
-    if explicit:
-        raise ValueError(f"max_model_len {model_len} is longer than the model's sliding window "
-                         f"({window} tokens), which Conveyor does not implement: past it the "
-                         f"answers would not be the model's")
-    logger.warning("max_model_len capped at the model's sliding window, %d tokens (sliding-window "
-                   "attention is not implemented: past it the answers would not be the model's)",
-                   window)
-    return window
-
-
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -130,8 +114,6 @@ class LLMEngine:
         model_len = config.max_model_len
         if model_len is None:  # the model's own limit, clamped to what the pool can hold
             model_len = min(loaded.config.max_position_embeddings, num_blocks * config.block_size)
-        model_len = _within_window(model_len, loaded.config.sliding_window,
-                                   config.max_model_len is not None)
         self.max_model_len = model_len
         self.scheduler = Scheduler(
             config.scheduler_config(model_len),

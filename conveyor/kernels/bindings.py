@@ -35,13 +35,17 @@ class DecodeKernel:
     def __init__(self, lib: ctypes.CDLL, dtype: torch.dtype) -> None:
         self.dtype = dtype
         self._fn = entry(lib, "paged_decode_attention", dtype,
-                         [p, i64, p, p, p, i64, p, p, i64, i32, i32, i32, i32, i32, f32, i32], i32)
+                         [p, i64, p, p, p, i64, p, p, i64, i32, i32, i32, i32, i32, f32, i32,
+                          f32, i32], i32)
 
     def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  block_tables: torch.Tensor, context_lens: torch.Tensor,
-                 out: torch.Tensor) -> None:
+                 out: torch.Tensor, *, scale: float | None = None, window: int | None = None,
+                 softcap: float | None = None) -> None:
         """q, out: [n, H, D] (rows may be strided, heads packed); caches: [blocks, block_size,
-        KVH, D], contiguous; block_tables: [n, W] int32; context_lens: [n] int32."""
+        KVH, D], contiguous; block_tables: [n, W] int32; context_lens: [n] int32. scale: the
+        scores' (default head_dim^-0.5); window: the tokens a query attends to at most (its
+        own and the window - 1 before it); softcap: scores become softcap * tanh(s / softcap)."""
         n, num_heads, dim = q.shape
         _, block_size, kv_heads, _ = k_cache.shape
         assert q.dtype == out.dtype == k_cache.dtype == v_cache.dtype == self.dtype
@@ -53,7 +57,8 @@ class DecodeKernel:
         rc = self._fn(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
                       block_tables.data_ptr(), block_tables.stride(0), context_lens.data_ptr(),
                       out.data_ptr(), out.stride(0), n, num_heads, kv_heads, dim, block_size,
-                      dim ** -0.5, torch.get_num_threads())
+                      dim ** -0.5 if scale is None else scale, window or 0, softcap or 0.0,
+                      torch.get_num_threads())
         if rc == -1:
             raise ValueError(f"paged_decode_attention: head_dim {dim} is not handled")
         if rc != 0:
@@ -279,7 +284,7 @@ class _Layer(ctypes.Structure):
     _fields_ = [("attention_norm", ctypes.c_void_p), ("ffn_norm", ctypes.c_void_p),
                 ("wqkv", _Matrix), ("wo", _Matrix), ("w13", _Matrix), ("w2", _Matrix),
                 ("qkv_bias", ctypes.c_void_p), ("k_cache", ctypes.c_void_p),
-                ("v_cache", ctypes.c_void_p)]
+                ("v_cache", ctypes.c_void_p), ("window", ctypes.c_int32)]
 
 
 class _Shape(ctypes.Structure):
@@ -301,6 +306,7 @@ class StackLayer:
     qkv_bias: torch.Tensor | None
     k_cache: torch.Tensor         # [blocks, block_size, kv_heads, head_dim], contiguous
     v_cache: torch.Tensor
+    window: int | None = None     # its sliding window, if it has one
 
 
 class DecodeStack:
@@ -330,7 +336,7 @@ class DecodeStack:
         self._layers = (_Layer * len(layers))(*[_Layer(
             l.attention_norm.data_ptr(), l.ffn_norm.data_ptr(), matrix(l.wqkv), matrix(l.wo),
             matrix(l.w13), matrix(l.w2), None if l.qkv_bias is None else l.qkv_bias.data_ptr(),
-            l.k_cache.data_ptr(), l.v_cache.data_ptr()) for l in layers])
+            l.k_cache.data_ptr(), l.v_cache.data_ptr(), l.window or 0) for l in layers])
         self._keep = layers  # the pointers above are into these tensors
         self.hidden = layers[0].attention_norm.shape[0]
         self._shape = _Shape(self.hidden, heads, kv_heads, head_dim, intermediate,

@@ -11,7 +11,7 @@ context length (its position + 1), so the kernel's causal attention needs no mas
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -26,7 +26,22 @@ class PrefillChunk:
     context_len: int      # tokens attended to: those already cached plus the chunk
     block_ids: torch.Tensor | None  # pages holding the context, None when the chunk is the
                                     # whole context (attend to the fresh K/V directly)
-    mask: torch.Tensor | None       # [len, context_len] causal mask with offset, or None
+
+    def keys_from(self, window: int | None) -> int:
+        """The first context token any of the chunk's queries attends to."""
+        first_query = self.context_len - (self.end - self.start)
+        return 0 if window is None else max(0, first_query - window + 1)
+
+    def mask(self, window: int | None, device: torch.device) -> torch.Tensor | None:
+        """[len, keys] True where a query attends to a key (from ``keys_from``): causal, and
+        within the window; None where plain causal attention over the fresh K/V is that."""
+        if window is None and self.block_ids is None:
+            return None
+        n, first = self.end - self.start, self.keys_from(window)
+        q_pos = torch.arange(self.context_len - n, self.context_len, device=device).unsqueeze(1)
+        k_pos = torch.arange(first, self.context_len, device=device).unsqueeze(0)
+        mask = k_pos <= q_pos
+        return mask if window is None else mask & (k_pos > q_pos - window)
 
 
 @dataclass
@@ -36,8 +51,17 @@ class DecodeGroup:
     end: int
     block_tables: torch.Tensor    # [end - start, W] pages of each query's context (padded)
     context_lens: torch.Tensor    # [end - start] tokens each query attends to, its own included
-    mask: torch.Tensor | None     # [end - start, 1, 1, W * block_size] True where a slot is
-                                  # real; None when the decode kernel runs the group
+
+    def mask(self, window: int | None, block_size: int) -> torch.Tensor:
+        """[end - start, 1, 1, W * block_size] True where a slot is a key the query attends to
+        (for SDPA over gathered pages; the decode kernel takes the lengths and window)."""
+        slot = torch.arange(self.block_tables.shape[1] * block_size,
+                            device=self.block_tables.device).unsqueeze(0)
+        lens = self.context_lens.unsqueeze(1)
+        live = slot < lens
+        if window is not None:
+            live &= slot >= lens - window
+        return live[:, None, None, :]
 
 
 @dataclass
@@ -47,11 +71,31 @@ class AttentionMetadata:
     prefills: list[PrefillChunk]
     decode_kernel: DecodeKernel | None = None
     rope_kv_write: RopeKVWrite | None = None
+    # the masks each window needs, built once a step (layers share them)
+    _masks: dict = field(default_factory=dict)
+
+    def mask(self, item: PrefillChunk | DecodeGroup, window: int | None,
+             block_size: int) -> torch.Tensor | None:
+        key = (id(item), window)
+        if key not in self._masks:
+            self._masks[key] = (item.mask(window, self.slot_mapping.device)
+                                if isinstance(item, PrefillChunk)
+                                else item.mask(window, block_size))
+        return self._masks[key]
+
+
+@dataclass(frozen=True)
+class Scores:
+    """How a layer scores its keys: the scale (None: head_dim ** -0.5), the tokens a query
+    attends to at most (None: all), Gemma 2's soft cap of the scores (None: none)."""
+    scale: float | None = None
+    window: int | None = None
+    softcap: float | None = None
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    meta: AttentionMetadata) -> torch.Tensor:
+                    meta: AttentionMetadata, scores: Scores = Scores()) -> torch.Tensor:
     """q: [T, H, D]; k, v: [T, KVH, D], already in the caches ([num_blocks, block_size, KVH,
     D]; see ``write_kv``). Returns [T, H, D]."""
     num_blocks, block_size, kv_heads, dim = k_cache.shape
@@ -60,7 +104,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     for g in meta.decodes:
         if meta.decode_kernel is not None:
             meta.decode_kernel(q[g.start:g.end], k_cache, v_cache, g.block_tables,
-                               g.context_lens, out[g.start:g.end])
+                               g.context_lens, out[g.start:g.end], scale=scores.scale,
+                               window=scores.window, softcap=scores.softcap)
             continue
         # Whole pages are gathered (block-sized copies), and the query heads that share a KV head
         # are laid out as that head's "query positions", so GQA needs no repeated K/V.
@@ -68,21 +113,40 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         qd = q[g.start:g.end].view(n, kv_heads, groups, dim)
         kd = gather_pages(k_cache, g.block_tables).transpose(1, 2)  # [n, KVH, L, D]
         vd = gather_pages(v_cache, g.block_tables).transpose(1, 2)
-        o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=g.mask)
+        o = attend(qd, kd, vd, meta.mask(g, scores.window, block_size), scores)
         out[g.start:g.end] = o.reshape(n, -1, dim)
     for chunk in meta.prefills:
         qp = q[chunk.start:chunk.end].transpose(0, 1).unsqueeze(0)   # [1, H, n, D]
+        first = chunk.keys_from(scores.window)  # (the keys before it are outside every window)
         if chunk.block_ids is None:
-            kp, vp = k[chunk.start:chunk.end], v[chunk.start:chunk.end]
+            kp, vp = k[chunk.start + first:chunk.end], v[chunk.start + first:chunk.end]
         else:
-            kp = gather_pages(k_cache, chunk.block_ids)[:chunk.context_len]
-            vp = gather_pages(v_cache, chunk.block_ids)[:chunk.context_len]
+            kp = gather_pages(k_cache, chunk.block_ids)[first:chunk.context_len]
+            vp = gather_pages(v_cache, chunk.block_ids)[first:chunk.context_len]
         kp = kp.transpose(0, 1).unsqueeze(0)
         vp = vp.transpose(0, 1).unsqueeze(0)
-        o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=chunk.mask,
-                                           is_causal=chunk.mask is None, enable_gqa=True)
+        o = attend(qp, kp, vp, meta.mask(chunk, scores.window, block_size), scores, gqa=True)
         out[chunk.start:chunk.end] = o.squeeze(0).transpose(0, 1)
     return out
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+           scores: Scores, gqa: bool = False) -> torch.Tensor:
+    """SDPA ([..., heads, queries, D] against [..., kv heads, keys, D]; mask None: causal);
+    with a soft cap, which SDPA cannot apply, the same sums written out as transformers'
+    eager attention computes them."""
+    if scores.softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+                                              scale=scores.scale, enable_gqa=gqa)
+    if gqa and k.shape[-3] != q.shape[-3]:
+        k = k.repeat_interleave(q.shape[-3] // k.shape[-3], dim=-3)
+        v = v.repeat_interleave(q.shape[-3] // v.shape[-3], dim=-3)
+    s = q @ k.transpose(-1, -2) * (q.shape[-1] ** -0.5 if scores.scale is None else scores.scale)
+    s = torch.tanh(s / scores.softcap) * scores.softcap
+    if mask is None:
+        mask = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril()
+    s = s.masked_fill(~mask, float("-inf"))
+    return torch.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype) @ v
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -132,26 +132,32 @@ def _use_all_reduce(model: Transformer, all_reduce: Callable[[torch.Tensor], Non
         layer.all_reduce = all_reduce
 
 def _use_elementwise_kernels(model: Transformer, kernels: CPUKernels) -> None:
-    """Run the residual-stream norms (not Qwen3's per-head q/k norms) and SiLU(gate) * up
-    with the CPU kernels."""
+    """Run the residual-stream norms (not the per-head q/k norms) and SiLU(gate) * up with
+    the CPU kernels."""
     for layer in model.layers:
-        layer.attention_norm.fused = layer.ffn_norm.fused = kernels.add_rms_norm
-        layer.feed_forward.silu_mul = kernels.silu_mul
+        for norm in layer.children():
+            if isinstance(norm, RMSNorm):
+                norm.fused = kernels.add_rms_norm
+        if layer.feed_forward.act == "silu":
+            layer.feed_forward.silu_mul = kernels.silu_mul
     model.norm.fused = kernels.add_rms_norm
 
 def _use_decode_stack(model: Transformer, kernels: CPUKernels,
                       kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
     """Run a step of a few decodes through all layers in one kernel call, when every layer
-    is what that kernel computes (no q/k norms, every linear in GGUF blocks)."""
+    is what that kernel computes: Llama's (not a family's own network), no q/k norms, every
+    linear in GGUF blocks, no output bias (sliding windows it takes)."""
     linears = [m for layer in model.layers for m in layer.modules() if isinstance(m, Linear)]
-    if model.config.qk_norm or any(m.quantized is None for m in linears):
+    if (type(model) is not Transformer or model.config.qk_norm
+            or any(m.quantized is None for m in linears)
+            or any(layer.attention.wo.bias is not None for layer in model.layers)):
         return
     c = model.config
     model.decode_stack = kernels.decode_stack(
         [StackLayer(layer.attention_norm.weight, layer.ffn_norm.weight,
                     layer.attention.wqkv.quantized, layer.attention.wo.quantized,
                     layer.feed_forward.w13.quantized, layer.feed_forward.w2.quantized,
-                    layer.attention.wqkv.bias, *kv_cache)
+                    layer.attention.wqkv.bias, *kv_cache, layer.attention.scores.window)
          for layer, kv_cache in zip(model.layers, kv_caches)],
         heads=c.num_heads, kv_heads=c.num_kv_heads, head_dim=c.head_dim,
         intermediate=c.intermediate_size, eps=c.rms_norm_eps)

@@ -5,8 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-# phi3: the Llama network with q/k/v and gate/up stored fused (Phi-3, Phi-3.5, Phi-4-mini)
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
+# phi3: the Llama network with q/k/v and gate/up stored fused (Phi-3, Phi-3.5, Phi-4-mini);
+# gemma2, gemma3 (text; transformers' model_type gemma3_text): conveyor.model.gemma
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3")
+GEMMA = ("gemma2", "gemma3")
+_MODEL_TYPES = {"gemma3_text": "gemma3"}  # transformers' model_type, where it differs
 
 # config.json keys that say nothing about the network's output: names, token ids (the
 # tokenizer's and generation's), training and runtime switches, transformers' bookkeeping.
@@ -28,19 +31,23 @@ METADATA_KEYS = frozenset({
     "bad_words_ids", "num_return_sequences", "output_scores", "return_dict_in_generate",
     "forced_bos_token_id", "forced_eos_token_id", "remove_invalid_values",
     "exponential_decay_length_penalty", "suppress_tokens", "begin_suppress_tokens",
+    "cache_implementation",  # (Gemma's "hybrid": how transformers caches the windowed layers)
+    "_sliding_window_pattern", "sliding_window_pattern",  # (spelled out by layer_types)
 })
 # Keys Conveyor runs at one value only (the network's without them): refused at any other.
-_NEUTRAL = {"hidden_act": ("silu", "swish"), "mlp_bias": (False,),
-            "partial_rotary_factor": (1.0,), "attn_logit_softcapping": (None,),
-            "final_logit_softcapping": (None,), "use_mrope": (False,),
-            "quantization_config": (None,)}
+_NEUTRAL = {"mlp_bias": (False,), "partial_rotary_factor": (1.0,), "use_mrope": (False,),
+            "quantization_config": (None,), "use_bidirectional_attention": (False, None)}
+# The feed-forward's activations: silu (SwiGLU) and Gemma's tanh-approximated gelu (GeGLU).
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 # Keys ``from_hf_config`` reads.
 _READ_KEYS = frozenset({
     "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
     "num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps", "rope_theta",
     "rope_scaling", "rope_parameters", "max_position_embeddings", "tie_word_embeddings",
     "attention_bias", "torch_dtype", "dtype", "sliding_window", "use_sliding_window",
-    "max_window_layers", "layer_types", "original_max_position_embeddings"})
+    "max_window_layers", "layer_types", "original_max_position_embeddings", "hidden_act",
+    "hidden_activation", "query_pre_attn_scalar", "attn_logit_softcapping",
+    "final_logit_softcapping", "rope_local_base_freq"})
 
 # Fields each supported rope scaling type needs, spelled as in Hugging Face configs.
 _ROPE_SCALING_FIELDS = {
@@ -53,7 +60,7 @@ _ROPE_SCALING_FIELDS = {
 
 @dataclass(frozen=True)
 class ModelConfig:
-    architecture: str  # "llama" | "mistral" | "qwen2" | "qwen3"
+    architecture: str  # one of SUPPORTED_ARCHITECTURES
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -70,13 +77,32 @@ class ModelConfig:
     qk_norm: bool  # per-head RMSNorm on q and k before rope (qwen3)
     torch_dtype: str | None  # checkpoint dtype name from config.json; None for GGUF
     # tokens a sliding-window layer attends to (itself and the window - 1 before it), where
-    # some layer has one: sequences no longer than it are exact, longer ones are refused
+    # some layer has one; which layers do: layer_types ("sliding_attention" or
+    # "full_attention" each), or every layer where that is None
     sliding_window: int | None = None
+    layer_types: tuple[str, ...] | None = None
+    hidden_act: str = "silu"  # the feed-forward's gate activation (ACTIVATIONS)
+    attention_scale: float | None = None  # the scores' scale where not head_dim ** -0.5
+    attn_softcap: float | None = None  # scores become cap * tanh(scores / cap) (Gemma 2)
+    final_softcap: float | None = None  # the logits likewise
+    local_rope_theta: float | None = None  # the sliding layers' own rope base (Gemma 3)
+    output_bias: bool = False  # the attention's output projection has a bias
+
+    def window(self, layer: int) -> int | None:
+        """The sliding window of this layer, or None where it attends to everything."""
+        if self.sliding_window is None or (self.layer_types is not None and
+                                           self.layer_types[layer] != "sliding_attention"):
+            return None
+        return self.sliding_window
+
+    def rope_index(self, layer: int) -> int:
+        """Which rope table the layer reads: 0 the model's, 1 the sliding layers' own."""
+        return int(self.local_rope_theta is not None and self.window(layer) is not None)
 
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any]) -> ModelConfig:
         """Read a Hugging Face config.json dict (transformers 4 or 5 style)."""
-        arch = cfg.get("model_type")
+        arch = _MODEL_TYPES.get(cfg.get("model_type"), cfg.get("model_type"))
         if arch not in SUPPORTED_ARCHITECTURES:
             raise ValueError(
                 f"unsupported architecture {arch!r} (supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
@@ -84,7 +110,9 @@ class ModelConfig:
         _refuse_unread(cfg, arch)
         num_heads = cfg["num_attention_heads"]
         head_dim = cfg.get("head_dim")
-        rope_theta, rope_scaling = _parse_rope(cfg)
+        rope_theta, rope_scaling, local_theta = _parse_rope(cfg, arch)
+        window, layer_types = _sliding_window(cfg, arch)
+        gemma = arch in GEMMA
         return cls(
             architecture=arch,
             vocab_size=cfg["vocab_size"],
@@ -100,9 +128,18 @@ class ModelConfig:
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=arch == "qwen2" or bool(cfg.get("attention_bias", False)),
-            qk_norm=arch == "qwen3",
+            # (Qwen2's q/k/v have biases, its output none; elsewhere all four have or none)
+            output_bias=arch != "qwen2" and bool(cfg.get("attention_bias", False)),
+            qk_norm=arch in ("qwen3", "gemma3"),
             torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
-            sliding_window=_sliding_window(cfg, arch),
+            sliding_window=window,
+            layer_types=layer_types,
+            hidden_act=_activation(cfg, arch),
+            attention_scale=(float(cfg.get("query_pre_attn_scalar") or 256) ** -0.5 if gemma
+                             else None),
+            attn_softcap=_cap(cfg, "attn_logit_softcapping", arch),
+            final_softcap=_cap(cfg, "final_logit_softcapping", arch),
+            local_rope_theta=local_theta,
         )
 
 
@@ -121,32 +158,85 @@ def _refuse_unread(cfg: dict[str, Any], arch: str) -> None:
                          f"{arch}: it may change the network's output")
 
 
-def _sliding_window(cfg: dict[str, Any], arch: str) -> int | None:
-    """The window of the layers that have one, as transformers decides which do: the
-    ``layer_types`` it writes, else Qwen2/3's ``use_sliding_window`` from ``max_window_layers``
-    on, else Mistral's window on every layer."""
+def _activation(cfg: dict[str, Any], arch: str) -> str:
+    """The gate's activation: Gemma's ``hidden_activation`` (its ``hidden_act`` is legacy,
+    as transformers reads it), else ``hidden_act``; one of ACTIVATIONS or refused."""
+    names = {"swish": "silu"}
+    act = names.get(cfg.get("hidden_act"), cfg.get("hidden_act"))
+    key = "hidden_act"
+    if arch in GEMMA and cfg.get("hidden_activation") is not None:
+        key, legacy = "hidden_activation", act
+        act = cfg["hidden_activation"]
+        if legacy not in (None, act):  # (a config that says two things is not guessed at)
+            raise ValueError(f"config.json hidden_act = {legacy!r} and hidden_activation = "
+                             f"{act!r} disagree")
+    act = act or ("gelu_pytorch_tanh" if arch in GEMMA else "silu")
+    if act not in ACTIVATIONS:
+        raise ValueError(f"config.json {key} = {act!r} is not implemented for {arch} "
+                         f"(only {' or '.join(ACTIVATIONS)})")
+    return act
+
+
+def _cap(cfg: dict[str, Any], key: str, arch: str) -> float | None:
+    """A soft-capping value, which only Gemma 2's network (and a Gemma 3 that sets one) has."""
+    value = cfg.get(key)
+    if value is not None and arch not in GEMMA:
+        raise ValueError(f"config.json {key} = {value!r} is not implemented for {arch}")
+    return None if value is None else float(value)
+
+
+def _sliding_window(cfg: dict[str, Any], arch: str
+                    ) -> tuple[int | None, tuple[str, ...] | None]:
+    """The window of the layers that have one and which layers do (None: all), as
+    transformers decides: the ``layer_types`` it writes; else Qwen2/3's
+    ``use_sliding_window`` from ``max_window_layers`` on; Gemma 2 every other layer from the
+    first, Gemma 3 five in six (``sliding_window_pattern``); Mistral's every layer."""
     layer_types = cfg.get("layer_types")
+    n = cfg["num_hidden_layers"]
     if layer_types is not None:
         unknown = set(layer_types) - {"full_attention", "sliding_attention"}
         if unknown:
             raise ValueError(f"config.json layer_types {sorted(unknown)} are not implemented")
+        if len(layer_types) != n:
+            raise ValueError(f"config.json layer_types has {len(layer_types)} entries for {n} "
+                             f"layers")
     window = cfg.get("sliding_window")
     if window is None:
-        return None
-    if layer_types is not None:
-        windowed = "sliding_attention" in layer_types
-    elif arch in ("qwen2", "qwen3"):
-        windowed = bool(cfg.get("use_sliding_window")) and (
-            cfg.get("max_window_layers", 0) < cfg["num_hidden_layers"])
-    else:
-        windowed = True
-    return int(window) if windowed else None
+        return None, None
+    if layer_types is None and arch in ("qwen2", "qwen3"):
+        first = cfg.get("max_window_layers", 0) if cfg.get("use_sliding_window") else n
+        layer_types = ["sliding_attention" if i >= first else "full_attention"
+                       for i in range(n)]
+    elif layer_types is None and arch in GEMMA:
+        pattern = 2 if arch == "gemma2" else int(cfg.get("sliding_window_pattern")
+                                                 or cfg.get("_sliding_window_pattern") or 6)
+        layer_types = ["sliding_attention" if (i + 1) % pattern else "full_attention"
+                       for i in range(n)]
+    if layer_types is not None and "sliding_attention" not in layer_types:
+        return None, None
+    return int(window), None if layer_types is None else tuple(layer_types)
 
 
-def _parse_rope(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
-    """(rope_theta, rope_scaling) from old-style `rope_theta`/`rope_scaling` or transformers-5 `rope_parameters`."""
+def _parse_rope(cfg: dict[str, Any], arch: str
+                ) -> tuple[float, dict[str, Any] | None, float | None]:
+    """(rope_theta, rope_scaling, the sliding layers' own rope base or None) from old-style
+    `rope_theta`/`rope_scaling` or transformers-5 `rope_parameters` (Gemma 3's: one for each
+    layer type, the sliding layers' unscaled)."""
     params = dict(cfg.get("rope_parameters") or {})
-    theta = float(params.pop("rope_theta", None) or cfg.get("rope_theta") or 10000.0)
+    local = None
+    if arch == "gemma3":
+        if "full_attention" in params:
+            local_params = dict(params.get("sliding_attention") or {})
+            params = dict(params["full_attention"])
+            local = local_params.pop("rope_theta", None)
+            if local_params.get("rope_type", "default") != "default":
+                raise ValueError(f"config.json rope_parameters.sliding_attention "
+                                 f"{local_params!r:.80} is not implemented (only default)")
+        local = float(local or cfg.get("rope_local_base_freq") or 10000.0)
+    elif "rope_local_base_freq" in cfg:
+        raise ValueError(f"config.json rope_local_base_freq is not implemented for {arch}")
+    theta = float(params.pop("rope_theta", None) or cfg.get("rope_theta")
+                  or (1_000_000.0 if arch == "gemma3" else 10000.0))
     partial = params.pop("partial_rotary_factor", 1.0)
     if partial not in (1.0, None):  # (transformers 5 moves it here from the config's top)
         raise ValueError(f"config.json partial_rotary_factor = {partial!r} is not implemented "
@@ -157,7 +247,7 @@ def _parse_rope(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     scaling.pop("rope_theta", None)
     rope_type = scaling.get("rope_type", "default")
     if rope_type == "default":
-        return theta, None
+        return theta, None, local
     if rope_type in ("llama3", "yarn") and cfg.get("original_max_position_embeddings"):
         # (Phi-3 keeps the pretrained length at the top, and transformers prefers it there)
         scaling["original_max_position_embeddings"] = cfg["original_max_position_embeddings"]
@@ -170,4 +260,4 @@ def _parse_rope(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     missing = [f for f in _ROPE_SCALING_FIELDS[rope_type] if scaling.get(f) is None]
     if missing:
         raise ValueError(f"rope scaling {rope_type!r} is missing {', '.join(missing)}")
-    return theta, scaling
+    return theta, scaling, local

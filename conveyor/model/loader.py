@@ -14,7 +14,7 @@ import torch
 import transformers
 
 from conveyor.kernels.blocks import DENSE_TYPES, QuantizedWeight
-from conveyor.model.config import ModelConfig
+from conveyor.model.config import GEMMA, ModelConfig
 from conveyor.model.gguf_file import (
     check_gguf_tensors,
     gguf_config,
@@ -41,6 +41,7 @@ _HF_LAYER_NAMES = {
     "self_attn.q_proj.bias": "attention.wq.bias",
     "self_attn.k_proj.bias": "attention.wk.bias",
     "self_attn.v_proj.bias": "attention.wv.bias",
+    "self_attn.o_proj.bias": "attention.wo.bias",
     "self_attn.q_norm.weight": "attention.q_norm.weight",
     "self_attn.k_norm.weight": "attention.k_norm.weight",
     "post_attention_layernorm.weight": "ffn_norm.weight",
@@ -53,6 +54,13 @@ _HF_FUSED_LAYER_NAMES = {
     "self_attn.qkv_proj.weight": ("attention.wq.weight", "attention.wk.weight",
                                   "attention.wv.weight"),
     "mlp.gate_up_proj.weight": ("feed_forward.w1.weight", "feed_forward.w3.weight"),
+}
+# Gemma's four norms a layer: its post_attention_layernorm follows the attention (Llama's
+# precedes the feed-forward, which Gemma's pre_feedforward_layernorm does).
+_HF_GEMMA_LAYER_NAMES = {
+    "post_attention_layernorm.weight": "post_attention_norm.weight",
+    "pre_feedforward_layernorm.weight": "ffn_norm.weight",
+    "post_feedforward_layernorm.weight": "post_ffn_norm.weight",
 }
 _HF_LAYER_RE = re.compile(r"model\.layers\.(\d+)\.(.+)")
 
@@ -229,6 +237,9 @@ def _hf_weights(tensors: dict[str, torch.Tensor], config: ModelConfig) -> dict[s
         tensors.pop("lm_head.weight", None)
     elif "lm_head.weight" not in tensors:
         raise ValueError("checkpoint has no lm_head.weight and its config does not tie word embeddings")
+    layer_names = _HF_LAYER_NAMES
+    if config.architecture in GEMMA:
+        layer_names = {**_HF_LAYER_NAMES, **_HF_GEMMA_LAYER_NAMES}
     weights: dict[str, torch.Tensor] = {}
     unexpected: list[str] = []
     for hf_name, tensor in tensors.items():
@@ -244,10 +255,12 @@ def _hf_weights(tensors: dict[str, torch.Tensor], config: ModelConfig) -> dict[s
             for part, rows in zip(parts, tensor.split(sizes)):
                 weights[f"layers.{m.group(1)}.{part}"] = rows
             continue
-        if name is None and m is not None and m.group(2) in _HF_LAYER_NAMES:
-            name = f"layers.{m.group(1)}.{_HF_LAYER_NAMES[m.group(2)]}"
+        if name is None and m is not None and m.group(2) in layer_names:
+            name = f"layers.{m.group(1)}.{layer_names[m.group(2)]}"
         if name is None:
             unexpected.append(hf_name)
+        elif config.architecture in GEMMA and name.endswith("norm.weight"):
+            weights[name] = tensor.float() + 1  # Gemma's norms scale by 1 + w (see gemma.py)
         else:
             weights[name] = tensor
     if unexpected:
@@ -283,8 +296,12 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         }
         if config.attention_bias:
             shapes |= {p + "attention.wq.bias": (q,), p + "attention.wk.bias": (kv,), p + "attention.wv.bias": (kv,)}
+        if config.output_bias:
+            shapes[p + "attention.wo.bias"] = (d,)
         if config.qk_norm:
             shapes |= {p + f"attention.{x}_norm.weight": (config.head_dim,) for x in "qk"}
+        if config.architecture in GEMMA:
+            shapes |= {p + "post_attention_norm.weight": (d,), p + "post_ffn_norm.weight": (d,)}
     return shapes
 
 

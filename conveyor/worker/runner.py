@@ -3,6 +3,7 @@ the sampling inputs, then returns each finishing request's next token."""
 
 from __future__ import annotations
 
+import dataclasses
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -17,7 +18,8 @@ from conveyor.model import huge_pages
 from conveyor.model.attention import AttentionMetadata, DecodeGroup, PrefillChunk
 from conveyor.model.backend import apply_backend
 from conveyor.model.config import ModelConfig
-from conveyor.model.model import Transformer, rope_tables
+from conveyor.model.families import network
+from conveyor.model.rope import rope_tables
 from conveyor.worker.sampler import GrammarMask, Sampler, SampleResult
 from conveyor.worker.sharding import ffn_granule, kv_heads_per_rank, plan_shards, shard_model
 from conveyor.worker.tensor_parallel import TensorParallel
@@ -96,7 +98,7 @@ class ModelRunner:
         self.block_size = block_size
         kernels = cpu_kernels(device, dtype, config.head_dim)
         with torch.device("meta"):
-            self.model = Transformer(config, head_rows)
+            self.model = network(config)(config, head_rows)
         shape = (num_blocks, block_size, config.num_kv_heads, config.head_dim)
         self.kv_caches = [(huge_pages.zeros(shape, dtype, device),
                            huge_pages.zeros(shape, dtype, device))
@@ -104,7 +106,12 @@ class ModelRunner:
         apply_backend(self.model, weights, quantized or {}, dtype=dtype, device=device,
                       kernels=kernels, kv_caches=self.kv_caches,
                       all_reduce=None if tensor_parallel is None else tensor_parallel.all_reduce)
-        self.cos, self.sin = rope_tables(config, max_model_len, dtype, device)
+        # the model's rope tables, and the sliding layers' own where they have one
+        self.ropes = [rope_tables(config, max_model_len, dtype, device)]
+        if config.local_rope_theta is not None:
+            local = dataclasses.replace(config, rope_theta=config.local_rope_theta,
+                                        rope_scaling=None)
+            self.ropes.append(rope_tables(local, max_model_len, dtype, device))
         self.kernel_path = describe(device, dtype, config.head_dim, kernels)
         self.sampler = (Sampler(config.vocab_size, device, seed) if kernels is None else
                         Sampler(config.vocab_size, device, seed, kernels.argmax_rows,
@@ -172,26 +179,17 @@ class ModelRunner:
 
     def _inputs(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """The plan's token ids, positions and attention metadata as tensors."""
-        bs = self.block_size
         groups, offset = [], 0
         for table, context_lens in plan.decode_groups:
             # int32, as the kernel reads them (index_select and the mask take int32 too)
             tables = self._tensor(table, torch.int32)
             lens = self._tensor(context_lens, torch.int32)
-            mask = None if self.decode_kernel is not None else (
-                torch.arange(tables.shape[1] * bs, device=self.device).unsqueeze(0)
-                < lens.unsqueeze(1))[:, None, None, :]
-            groups.append(DecodeGroup(offset, offset + len(table), tables, lens, mask))
+            groups.append(DecodeGroup(offset, offset + len(table), tables, lens))
             offset += len(table)
         prefills = []
         for n, ctx, pages in plan.prefills:
-            if pages is None:
-                prefills.append(PrefillChunk(offset, offset + n, n, None, None))
-            else:
-                q_pos = torch.arange(ctx, ctx + n, device=self.device).unsqueeze(1)
-                k_pos = torch.arange(ctx + n, device=self.device).unsqueeze(0)
-                prefills.append(PrefillChunk(offset, offset + n, ctx + n, self._tensor(pages),
-                                             k_pos <= q_pos))
+            prefills.append(PrefillChunk(offset, offset + n, ctx + n,
+                                         None if pages is None else self._tensor(pages)))
             offset += n
         meta = AttentionMetadata(self._tensor(plan.slots), groups, prefills, self.decode_kernel,
                                  self.rope_kv_write)
@@ -214,9 +212,9 @@ class ModelRunner:
         """The network over the plan's tokens: their last hidden states. Every tensor-parallel
         rank runs this on the same plan, its layers meeting the others' at the all-reduces."""
         ids, positions, meta = self._inputs(plan)
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
-        return self.model(ids, cos, sin, self.kv_caches, meta)
+        ropes = [(cos[positions].unsqueeze(1), sin[positions].unsqueeze(1))
+                 for cos, sin in self.ropes]
+        return self.model(ids, ropes, self.kv_caches, meta)
 
     def logits(self, hidden: torch.Tensor, plan: StepPlan) -> torch.Tensor | None:
         """The sampling rows' logits; tensor parallel: each rank's share of the vocabulary,

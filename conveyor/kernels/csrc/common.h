@@ -4,6 +4,7 @@
 #ifndef CONVEYOR_COMMON_H
 #define CONVEYOR_COMMON_H
 
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 #ifdef _OPENMP
@@ -19,6 +20,24 @@ static inline float hsum8(__m256 v) {
     return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 #endif
+
+/* A sliding window of `window` tokens (0: none) over a context of *len tokens whose pages are
+ * *table: the pages wholly before the window are dropped (*table advanced, *len shortened by
+ * them), and the tokens still before the window in its first page are returned, for the
+ * softmax to weigh 0. The decode kernels read only the window's pages this way. */
+static inline int window_pages(int window, int block_size, const int32_t **table, int *len) {
+    if (window <= 0 || *len <= window) return 0;
+    const int first = (*len - window) / block_size;
+    *table += first;
+    *len -= first * block_size;
+    return *len - window;
+}
+
+/* Gemma 2's attention logit soft-capping: cap * tanh(s / cap), in place (cap 0: none). */
+static inline void soft_cap(float *s, int n, float cap) {
+    if (cap > 0.0f)
+        for (int t = 0; t < n; t++) s[t] = cap * tanhf(s[t] / cap);
+}
 
 static inline float bf16_load(uint16_t x) {
     uint32_t u = (uint32_t)x << 16;

@@ -27,7 +27,8 @@ int paged_decode_attention_##T(const void *q, int64_t q_stride, const void *k_ca
                                const void *v_cache, const int32_t *block_tables, \
                                int64_t table_stride, const int32_t *context_lens, void *out, \
                                int64_t out_stride, int n, int num_heads, int num_kv_heads, \
-                               int head_dim, int block_size, float scale, int threads);
+                               int head_dim, int block_size, float scale, int window, \
+                               float cap, int threads);
 KERNELS(f32)
 #if CONVEYOR_AVX512_BF16
 KERNELS(bf16)
@@ -57,6 +58,7 @@ typedef struct {
     Matrix wqkv, wo, w13, w2;
     const void *qkv_bias;                   /* [qkv] or NULL */
     void *k_cache, *v_cache;                /* [blocks, block_size, kv_heads, dim] */
+    int32_t window;                         /* its sliding window's tokens; 0: none */
 } Layer;
 
 typedef struct {
@@ -109,7 +111,7 @@ static ALWAYS_INLINE int decode_stack(const Layer *layers, int num_layers, const
                  slots, l->k_cache, l->v_cache, rows, s->heads, s->kv_heads, s->dim, threads);
         rc = BY_DTYPE(paged_decode_attention, t_qkv, qkv, l->k_cache, l->v_cache, block_tables,
                       table_stride, context_lens, o, q, rows, s->heads, s->kv_heads, s->dim,
-                      s->block_size, s->scale, threads);
+                      s->block_size, s->scale, l->window, 0.0f, threads);
         if (rc) break;
         rc = matrix_linear(o, q, &l->wo, NULL, a, hid, rows, q, threads, bf16);
         if (rc) break;

@@ -65,9 +65,9 @@ static inline void prefetch_row(const float *r, int lines) {
  * at: each token's row offset in either cache (elements; see paged_decode_attention_f32);
  * scores: [heads * group][len rounded up to TILE] of scratch; zero: a row of zeros past len. */
 static ALWAYS_INLINE void attend(const float *q, const float *k_cache, const float *v_cache,
-                                  const int64_t *at, int len, float *out, int heads, int group,
-                                  const int dim, float scale, const float *zero,
-                                  float *scores) {
+                                  const int64_t *at, int len, int skip, float *out, int heads,
+                                  int group, const int dim, float scale, float cap,
+                                  const float *zero, float *scores) {
     const int nv = dim / 8, nq = heads * group, padded = (len + TILE - 1) / TILE * TILE;
     const int lines = (heads * dim * 4 + 63) / 64;  /* of a token's row of these heads */
     const __m256 vscale = _mm256_set1_ps(scale);
@@ -100,13 +100,16 @@ static ALWAYS_INLINE void attend(const float *q, const float *k_cache, const flo
     }
     for (int j = 0; j < nq; j++) {
         float *s = scores + j * padded, top = -FLT_MAX;
-        for (int t = 0; t < len; t++) top = s[t] > top ? s[t] : top;
+        soft_cap(s + skip, len - skip, cap);
+        for (int t = skip; t < len; t++) top = s[t] > top ? s[t] : top;
         const __m256 vtop = _mm256_set1_ps(top);
         __m256 total = _mm256_setzero_ps();
         for (int t = 0; t < padded; t += 8) {
-            /* past len: weight 0 (those scores are the zero rows', and are not read) */
-            const __m256i live = _mm256_cmpgt_epi32(_mm256_set1_epi32(len - t),
-                                                    _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+            /* before skip (outside the window) and past len (the zero rows'): weight 0 */
+            const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+            const __m256i live = _mm256_andnot_si256(
+                _mm256_cmpgt_epi32(_mm256_set1_epi32(skip - t), lane),
+                _mm256_cmpgt_epi32(_mm256_set1_epi32(len - t), lane));
             const __m256 p = _mm256_and_ps(exp_neg(_mm256_sub_ps(_mm256_loadu_ps(s + t), vtop)),
                                            _mm256_castsi256_ps(live));
             _mm256_storeu_ps(s + t, p);
@@ -134,13 +137,15 @@ static ALWAYS_INLINE void attend(const float *q, const float *k_cache, const flo
 
 /* q: row i, head j at q[i * q_stride + j * head_dim]; caches: [num_blocks, block_size,
  * num_kv_heads, head_dim]; block_tables: [n, table_stride] int32; context_lens: [n] int32
- * (tokens to attend to, the new one included, its K/V already written); out like q.
+ * (tokens to attend to, the new one included, its K/V already written); out like q; window:
+ * the tokens a query attends to at most (0: all), cap: the scores' soft cap (0: none).
  * Returns 0; -1 for a head_dim it does not take; -2 if scratch memory could not be had. */
 int paged_decode_attention_f32(const float *q, int64_t q_stride, const float *k_cache,
                                const float *v_cache, const int32_t *block_tables,
                                int64_t table_stride, const int32_t *context_lens, float *out,
                                int64_t out_stride, int n, int num_heads, int num_kv_heads,
-                               int head_dim, int block_size, float scale, int threads) {
+                               int head_dim, int block_size, float scale, int window,
+                               float cap, int threads) {
     if (head_dim % 8 != 0 || head_dim > 256) return -1;
     const int group = num_heads / num_kv_heads;
     const int64_t row = (int64_t)num_kv_heads * head_dim;
@@ -168,8 +173,10 @@ int paged_decode_attention_f32(const float *q, int64_t q_stride, const float *k_
             }
             const int i = item / split, h = item % split * per;
             const int32_t *table = block_tables + i * table_stride;
+            int len = context_lens[i];
+            const int skip = window_pages(window, block_size, &table, &len);
             if (have != i) {  /* stepped along the pages: no division a token */
-                for (int t = 0, page = 0, slot = 0; t < context_lens[i]; t++) {
+                for (int t = 0, page = 0, slot = 0; t < len; t++) {
                     at[t] = ((int64_t)table[page] * block_size + slot) * row;
                     if (++slot == block_size) page++, slot = 0;
                 }
@@ -182,12 +189,11 @@ int paged_decode_attention_f32(const float *q, int64_t q_stride, const float *k_
              * registers (a runtime size left the sums in memory:
              * docs/results/design-notes#head-dim-constants) */
             if (head_dim == 64)
-                attend(qi, ki, vi, at, context_lens[i], oi, per, group, 64, scale, zero, scores);
+                attend(qi, ki, vi, at, len, skip, oi, per, group, 64, scale, cap, zero, scores);
             else if (head_dim == 128)
-                attend(qi, ki, vi, at, context_lens[i], oi, per, group, 128, scale, zero,
-                       scores);
+                attend(qi, ki, vi, at, len, skip, oi, per, group, 128, scale, cap, zero, scores);
             else
-                attend(qi, ki, vi, at, context_lens[i], oi, per, group, head_dim, scale, zero,
+                attend(qi, ki, vi, at, len, skip, oi, per, group, head_dim, scale, cap, zero,
                        scores);
         }
         free(at);

@@ -114,9 +114,9 @@ static inline void prefetch_row(const uint16_t *r, int b0, int step, int lines) 
  * head_dim is a compile-time constant in each specialisation, so the loops over it unroll into
  * registers. buf: see attend_scratch. */
 static inline void attend(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache,
-                          const int32_t *table, int len, uint16_t *out, int heads, int group,
-                          const int dim, int64_t row, int block_size, float scale, int amx,
-                          float *buf) {
+                          const int32_t *table, int len, int skip, uint16_t *out, int heads,
+                          int group, const int dim, int64_t row, int block_size, float scale,
+                          float cap, int amx, float *buf) {
     enum { MAXV = 4 };  /* zmm registers of bfloat16 a row of head_dim 128 takes */
     const int nv = dim / 32, nq = heads * group, span = heads * dim;
     const int padded = (len + TILE - 1) / TILE * TILE;
@@ -193,8 +193,10 @@ static inline void attend(const uint16_t *q, const uint16_t *k_cache, const uint
     for (int j = 0; j < nq; j++) {
         float *s = scores + (int64_t)j * padded, top = -FLT_MAX, total = 0.0f;
         uint16_t *w = weights + (int64_t)j * padded;
-        for (int t = 0; t < len; t++) top = s[t] > top ? s[t] : top;
-        for (int t = 0; t < len; t++) {
+        soft_cap(s + skip, len - skip, cap);
+        for (int t = skip; t < len; t++) top = s[t] > top ? s[t] : top;
+        for (int t = 0; t < skip; t++) s[t] = 0.0f;  /* before the window: weight 0 */
+        for (int t = skip; t < len; t++) {
             s[t] = expf(s[t] - top);
             total += s[t];
         }
@@ -263,7 +265,8 @@ static size_t attend_scratch(int nq, int dim, int span, int longest) {
 
 /* q: row i, head j at q[i * q_stride + j * head_dim]; caches: [num_blocks, block_size,
  * num_kv_heads, head_dim]; block_tables: [n, table_stride] int32; context_lens: [n] int32
- * (tokens to attend to, the new one included, its K/V already written); out like q.
+ * (tokens to attend to, the new one included, its K/V already written); out like q; window:
+ * the tokens a query attends to at most (0: all), cap: the scores' soft cap (0: none).
  * threads: PyTorch's intra-op thread count. Returns 0; -1 for a head_dim without a
  * specialisation; -2 if scratch memory could not be allocated. */
 int paged_decode_attention_bf16(const uint16_t *q, int64_t q_stride,
@@ -271,7 +274,8 @@ int paged_decode_attention_bf16(const uint16_t *q, int64_t q_stride,
                                 const int32_t *block_tables, int64_t table_stride,
                                 const int32_t *context_lens, uint16_t *out, int64_t out_stride,
                                 int n, int num_heads, int num_kv_heads, int head_dim,
-                                int block_size, float scale, int threads) {
+                                int block_size, float scale, int window, float cap,
+                                int threads) {
     if (head_dim != 64 && head_dim != 128) return -1;
     const int group = num_heads / num_kv_heads;
     const int64_t row = (int64_t)num_kv_heads * head_dim;  /* one token of one page */
@@ -300,14 +304,16 @@ int paged_decode_attention_bf16(const uint16_t *q, int64_t q_stride,
             const int i = item / split, h = item % split * per;
             const int64_t qoff = (int64_t)h * group * head_dim, kvoff = (int64_t)h * head_dim;
             const int32_t *table = block_tables + (int64_t)i * table_stride;
+            int len = context_lens[i];
+            const int skip = window_pages(window, block_size, &table, &len);
             if (head_dim == 64)
-                attend(q + i * q_stride + qoff, k_cache + kvoff, v_cache + kvoff, table,
-                       context_lens[i], out + i * out_stride + qoff, per, group, 64, row,
-                       block_size, scale, amx, buf);
+                attend(q + i * q_stride + qoff, k_cache + kvoff, v_cache + kvoff, table, len,
+                       skip, out + i * out_stride + qoff, per, group, 64, row, block_size, scale,
+                       cap, amx, buf);
             else
-                attend(q + i * q_stride + qoff, k_cache + kvoff, v_cache + kvoff, table,
-                       context_lens[i], out + i * out_stride + qoff, per, group, 128, row,
-                       block_size, scale, amx, buf);
+                attend(q + i * q_stride + qoff, k_cache + kvoff, v_cache + kvoff, table, len,
+                       skip, out + i * out_stride + qoff, per, group, 128, row, block_size, scale,
+                       cap, amx, buf);
         }
 #if AMX_SCORES
         if (amx) _tile_release();

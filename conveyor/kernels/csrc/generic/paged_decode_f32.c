@@ -11,21 +11,25 @@
 #include <stdlib.h>
 #include <string.h>
 
-/* One query head against its KV head's cached rows (the caches offset to that head). */
+#include "common.h"
+
+/* One query head against its KV head's cached rows (the caches offset to that head), the first
+ * `skip` of them outside its window. */
 static void attend(const float *q, const float *k_cache, const float *v_cache,
-                   const int32_t *table, int len, float *out, int dim, int64_t row,
-                   int block_size, float scale, float *scores) {
+                   const int32_t *table, int len, int skip, float *out, int dim, int64_t row,
+                   int block_size, float scale, float cap, float *scores) {
     float top = -FLT_MAX, total = 0.0f;
-    for (int t = 0; t < len; t++) {
+    for (int t = skip; t < len; t++) {
         const float *k = k_cache + ((int64_t)table[t / block_size] * block_size + t % block_size)
                          * row;
         float s = 0.0f;
         for (int d = 0; d < dim; d++) s += q[d] * k[d];
         scores[t] = s * scale;
-        top = scores[t] > top ? scores[t] : top;
     }
+    soft_cap(scores + skip, len - skip, cap);
+    for (int t = skip; t < len; t++) top = scores[t] > top ? scores[t] : top;
     for (int d = 0; d < dim; d++) out[d] = 0.0f;
-    for (int t = 0; t < len; t++) {
+    for (int t = skip; t < len; t++) {
         const float p = expf(scores[t] - top);
         const float *v = v_cache + ((int64_t)table[t / block_size] * block_size + t % block_size)
                          * row;
@@ -37,13 +41,15 @@ static void attend(const float *q, const float *k_cache, const float *v_cache,
 
 /* q: row i, head j at q[i * q_stride + j * head_dim]; caches: [num_blocks, block_size,
  * num_kv_heads, head_dim]; block_tables: [n, table_stride] int32; context_lens: [n] int32
- * (tokens to attend to, the new one included, its K/V already written); out like q.
+ * (tokens to attend to, the new one included, its K/V already written); out like q; window:
+ * the tokens a query attends to at most (0: all), cap: the scores' soft cap (0: none).
  * Returns 0, or -2 if scratch memory could not be allocated. */
 int paged_decode_attention_f32(const float *q, int64_t q_stride, const float *k_cache,
                                const float *v_cache, const int32_t *block_tables,
                                int64_t table_stride, const int32_t *context_lens, float *out,
                                int64_t out_stride, int n, int num_heads, int num_kv_heads,
-                               int head_dim, int block_size, float scale, int threads) {
+                               int head_dim, int block_size, float scale, int window,
+                               float cap, int threads) {
     const int group = num_heads / num_kv_heads;
     const int64_t row = (int64_t)num_kv_heads * head_dim;
     int longest = 1, failed = 0;
@@ -60,9 +66,12 @@ int paged_decode_attention_f32(const float *q, int64_t q_stride, const float *k_
                 continue;
             }
             const int64_t kv = (int64_t)(j / group) * head_dim;
-            attend(q + i * q_stride + j * head_dim, k_cache + kv, v_cache + kv,
-                   block_tables + i * table_stride, context_lens[i],
-                   out + i * out_stride + j * head_dim, head_dim, row, block_size, scale, scores);
+            const int32_t *table = block_tables + i * table_stride;
+            int len = context_lens[i];
+            const int skip = window_pages(window, block_size, &table, &len);
+            attend(q + i * q_stride + j * head_dim, k_cache + kv, v_cache + kv, table, len, skip,
+                   out + i * out_stride + j * head_dim, head_dim, row, block_size, scale, cap,
+                   scores);
         }
         free(scores);
     }

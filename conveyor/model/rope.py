@@ -1,0 +1,93 @@
+"""Rotary position embeddings: each position's cos and sin tables, with the rope scalings
+Hugging Face configs name (linear, llama3, YaRN), and their application to q and k."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from conveyor.model.config import ModelConfig
+
+
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    scaling = config.rope_scaling
+    if scaling is None:
+        return inv_freq
+    if scaling["rope_type"] == "linear":
+        return inv_freq / scaling["factor"]
+    if scaling["rope_type"] == "yarn":
+        return _yarn_inv_freq(config)
+    # llama3: long wavelengths slowed by `factor`, short ones kept, a smooth blend in between.
+    factor = scaling["factor"]
+    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old_len = scaling["original_max_position_embeddings"]
+    low_wavelen, high_wavelen = old_len / low, old_len / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+def _yarn_inv_freq(config: ModelConfig) -> torch.Tensor:
+    """YaRN: each dimension's frequency interpolated (divided by ``factor``) where it turns
+    fewer than ``beta_slow`` times over the pretrained length, kept where it turns more than
+    ``beta_fast`` times, a linear ramp between (as transformers computes it)."""
+    s, dim, base = config.rope_scaling, config.head_dim, config.rope_theta
+    old_len = s["original_max_position_embeddings"]
+
+    def dim_of(rotations: float) -> float:  # the dimension that turns this often over old_len
+        return dim * math.log(old_len / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = dim_of(s.get("beta_fast") or 32), dim_of(s.get("beta_slow") or 1)
+    if s.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    pos_freqs = base ** (torch.arange(0, dim, 2).float() / dim)
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    extrapolated = 1 - ramp
+    return (1.0 / (s["factor"] * pos_freqs) * (1 - extrapolated)
+            + 1.0 / pos_freqs * extrapolated)
+
+
+def rope_attention_factor(config: ModelConfig) -> float:
+    """What YaRN scales cos and sin by (so q.k by its square): ``attention_factor``, else from
+    ``factor`` and ``mscale``/``mscale_all_dim``; 1 for every other rope."""
+    s = config.rope_scaling
+    if s is None or s["rope_type"] != "yarn":
+        return 1.0
+    if s.get("attention_factor") is not None:
+        return float(s["attention_factor"])
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    if s.get("mscale") and s.get("mscale_all_dim"):
+        return float(mscale(s["factor"], s["mscale"]) / mscale(s["factor"], s["mscale_all_dim"]))
+    return mscale(s["factor"])
+
+
+def rope_tables(config: ModelConfig, max_len: int, dtype: torch.dtype,
+                device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and signed sin of every position, [max_len, head_dim], in the model dtype: the sin's
+    first half is negated so that rotating a vector is one ``roll`` (see ``apply_rope``)."""
+    freqs = torch.outer(torch.arange(max_len, dtype=torch.float32), rope_inv_freq(config))
+    emb = torch.cat((freqs, freqs), dim=-1)
+    cos, sin = emb.cos(), emb.sin()
+    factor = rope_attention_factor(config)
+    if factor != 1.0:
+        cos, sin = cos * factor, sin * factor
+    sin[:, :freqs.shape[1]].neg_()
+    return cos.to(dtype=dtype, device=device), sin.to(dtype=dtype, device=device)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [T, heads, D]; cos/sin: [T, 1, D] (the half-rotation layout transformers uses, whose
+    ``cat(-x2, x1) * sin`` equals ``roll(x) * signed sin`` bit for bit)."""
+    return x * cos + torch.roll(x, x.shape[-1] // 2, -1) * sin
