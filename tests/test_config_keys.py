@@ -79,16 +79,24 @@ def test_a_sliding_window_keeps_the_model_length(tmp_path):
     assert [layer.attention.scores.window for layer in llm.engine.runner.model.layers] == [24, 24]
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3"])
 def test_gguf_metadata_is_read_or_refused(arch, tmp_path):
     model = make_tiny_model(arch)
-    head_dim = model.config.hidden_size // model.config.num_attention_heads \
-        if arch != "qwen3" else model.config.head_dim
+    head_dim = getattr(model.config, "head_dim", None) or (
+        model.config.hidden_size // model.config.num_attention_heads)
     plain = write_gguf(str(tmp_path / "plain.gguf"), model,
                        metadata={"rope.dimension_count": head_dim})
-    assert gguf_config(read_gguf(plain)).head_dim == head_dim
-    for key, value in [("rope.dimension_count", head_dim // 2),  # partial rotary
-                       ("attention.sliding_window", 24), ("expert_count", 8)]:
+    config = gguf_config(read_gguf(plain))
+    assert config.head_dim == head_dim
+    refused = [("rope.dimension_count", head_dim // 2),  # partial rotary
+               ("expert_count", 8)]
+    if arch in GEMMA:  # read: the window, Gemma 2's soft caps (tiny_models writes them)
+        assert config.sliding_window == model.config.sliding_window
+        assert config.attn_softcap == getattr(model.config, "attn_logit_softcapping", None)
+    if arch in ("llama", "qwen2", "qwen3"):  # llama.cpp follows no window for these: refused
+        # rather than followed
+        refused.append(("attention.sliding_window", 24))
+    for key, value in refused:
         path = write_gguf(str(tmp_path / f"{key}.gguf"), model, metadata={key: value})
         with pytest.raises(ValueError, match=f"{arch}.{key}"):
             gguf_config(read_gguf(path))

@@ -261,3 +261,48 @@ def test_a_type_the_kernels_do_not_read_runs_dense(k_quant_gguf, monkeypatch, ca
     assert model.layers[0].attention.wqkv.quantized is None and model.output.quantized is None
     assert model.layers[0].attention.wo.quantized is not None and model.decode_stack is None
     check_model("tiny-gguf", k_quant_gguf, "continuous")
+
+
+# The families llama.cpp writes in their own layouts (Gemma's four norms as 1 + w, Phi-3's fused
+# q/k/v and gate/up), in a K-quant mix with Q8_0 where a row is too short for K-quant blocks;
+# windows as llama.cpp fixes them (Gemma 2 every other layer, Gemma 3 five in six, Phi-3 all)
+# and Gemma's scores at head_dim ** -0.5, as llama.cpp scores them.
+FAMILY_MIX = {**K_MIX, "attn_output": Q.Q8_0, "attn_qkv": Q.Q4_K}
+GGUF_FAMILIES = {
+    "gemma2": dict(head_dim=64, query_pre_attn_scalar=64, sliding_window=24),
+    "gemma3": dict(head_dim=64, query_pre_attn_scalar=64, sliding_window=24, layer_types=None,
+                   num_hidden_layers=6),
+    "phi3": dict(sliding_window=24),
+}
+
+
+@pytest.fixture(scope="module")
+def family_ggufs(tmp_path_factory):
+    """Each family's GGUF and, as its reference, an HF folder of the weights the file holds."""
+    from tiny_models import TINY_VOCAB, make_tiny_model, write_gguf
+
+    files = {}
+    with pytest.MonkeyPatch.context() as mp:  # its tokenizer's cache stays in the temp dir
+        mp.setenv("CONVEYOR_CACHE_DIR", str(tmp_path_factory.mktemp("cache")))
+        for arch, overrides in GGUF_FAMILIES.items():
+            model = make_tiny_model(arch, vocab_size=len(TINY_VOCAB), hidden_size=256,
+                                    intermediate_size=512, **overrides)
+            folder = tmp_path_factory.mktemp(f"{arch}-gguf")
+            gguf_path = write_gguf(str(folder / f"{arch}.gguf"), model, types=FAMILY_MIX,
+                                   tokenizer=True, sync=True)
+            model.save_pretrained(folder / "reference")
+            files[arch] = gguf_path, str(folder / "reference")
+        yield files
+
+
+@pytest.mark.parametrize("path,policy", PATHS)
+@pytest.mark.parametrize("arch", list(GGUF_FAMILIES))
+def test_family_ggufs_match_transformers(family_ggufs, on_path, arch, path, policy):
+    on_path(path)
+    gguf_path, reference_folder = family_ggufs[arch]
+    prompts, refs = reference("hf", reference_folder)
+    outputs = run_conveyor(gguf_path, prompts, policy)
+    assert sum(o.metrics.num_preemptions for o in outputs) > 0, "the pool was meant to preempt"
+    identical = [compare(o.outputs[0].token_ids, *ref) for o, ref in zip(outputs, refs)]
+    print(f"{arch} GGUF {policy}: {sum(identical)}/{len(identical)} identical, rest at ties")
+

@@ -155,9 +155,11 @@ _TINY_EOS = "<|endoftext|>"
 TINY_VOCAB = [*bytes_to_unicode().values(), *(m.replace(" ", "") for m in _TINY_MERGES), _TINY_EOS]
 
 
-def _llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
-    """What llama.cpp's convert_hf_to_gguf.py does to llama q/k rows."""
-    rows = w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
+def _llama_cpp_permute(w: np.ndarray, n_head: int, back: bool = False) -> np.ndarray:
+    """What llama.cpp's convert_hf_to_gguf.py does to llama q/k rows (back: undone)."""
+    half = w.shape[0] // n_head // 2
+    rows = w.reshape(n_head, half, 2, *w.shape[1:]) if back else w.reshape(
+        n_head, 2, half, *w.shape[1:])
     return rows.swapaxes(1, 2).reshape(w.shape)
 
 
@@ -183,19 +185,33 @@ def random_k_quant_blocks(qtype: gguf.GGMLQuantizationType, scale: np.ndarray, k
     return blocks.reshape(rows, -1)
 
 
+# What llama.cpp's converter names differently for some families.
+_HF_TO_GGUF_BY_ARCH = {
+    "gemma2": [("post_attention_layernorm.", "post_attention_norm."),
+               ("pre_feedforward_layernorm.", "ffn_norm."),
+               ("post_feedforward_layernorm.", "post_ffw_norm.")],
+    "phi3": [("self_attn.qkv_proj.", "attn_qkv."), ("mlp.gate_up_proj.", "ffn_up.")],
+}
+_HF_TO_GGUF_BY_ARCH["gemma3"] = _HF_TO_GGUF_BY_ARCH["gemma2"]
+
+
 def write_gguf(path: str, model: transformers.PreTrainedModel, *,
                types: dict[str, gguf.GGMLQuantizationType] | None = None,
-               tokenizer: bool = False, metadata: dict[str, int] | None = None) -> str:
+               tokenizer: bool = False, metadata: dict[str, int | float] | None = None,
+               sync: bool = False) -> str:
     """A GGUF of a tiny transformers model, laid out as llama.cpp's converter would; returns path.
 
     types: ggml type by GGUF tensor kind (``"attn_q"``, ``"token_embd"``...) for 2-D weights,
     F32 otherwise. A K-quant tensor is random blocks (``random_k_quant_blocks``) of the
-    weight's range: the file's weights, not the model's. tokenizer: add TINY_VOCAB as a
-    byte-level BPE (the model's vocab_size must be len(TINY_VOCAB)), so that ``load_model``
-    can load the file. metadata: more ``{arch}.*`` keys (without the prefix), as uint32.
+    weight's range: the file's weights, not the model's. sync: the model's weights set to
+    what the file holds (its blocks dequantized), so that the model is the file's reference.
+    tokenizer: add TINY_VOCAB as a byte-level BPE (the model's vocab_size must be
+    len(TINY_VOCAB)), so that ``load_model`` can load the file. metadata: more ``{arch}.*``
+    keys (without the prefix), as uint32 or float32. Gemma's norms are stored as 1 + w, as the
+    converter stores them.
     """
     c = model.config
-    arch = c.model_type
+    arch = {"gemma3_text": "gemma3"}.get(c.model_type, c.model_type)
     writer = gguf.GGUFWriter(path, arch)
     writer.add_block_count(c.num_hidden_layers)
     writer.add_context_length(c.max_position_embeddings)
@@ -207,9 +223,16 @@ def write_gguf(path: str, model: transformers.PreTrainedModel, *,
     if getattr(c, "head_dim", None) is not None:
         writer.add_key_length(c.head_dim)
     writer.add_layer_norm_rms_eps(c.rms_norm_eps)
-    writer.add_rope_freq_base(c.rope_parameters["rope_theta"])
+    rope = c.rope_parameters.get("full_attention", c.rope_parameters)  # (Gemma 3's: per type)
+    writer.add_rope_freq_base(rope["rope_theta"])
+    if getattr(c, "sliding_window", None) is not None and arch in ("gemma2", "gemma3", "phi3"):
+        writer.add_sliding_window(c.sliding_window)
+    for cap in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if getattr(c, cap, None) is not None:
+            writer.add_float32(f"{arch}.{cap}", getattr(c, cap))
     for key, value in (metadata or {}).items():
-        writer.add_uint32(f"{arch}.{key}", value)
+        (writer.add_float32 if isinstance(value, float) else writer.add_uint32)(
+            f"{arch}.{key}", value)
     if tokenizer:
         assert c.vocab_size == len(TINY_VOCAB), "make the model with vocab_size=len(TINY_VOCAB)"
         writer.add_tokenizer_model("gpt2")
@@ -217,23 +240,32 @@ def write_gguf(path: str, model: transformers.PreTrainedModel, *,
         writer.add_token_types([1] * (len(TINY_VOCAB) - 1) + [3])  # 3: control
         writer.add_token_merges(_TINY_MERGES)
         writer.add_eos_token_id(len(TINY_VOCAB) - 1)
-    for name, tensor in model.state_dict().items():
-        if name == "lm_head.weight" and c.tie_word_embeddings:
+    for hf_name, tensor in model.state_dict().items():
+        if hf_name == "lm_head.weight" and c.tie_word_embeddings:
             continue
         w = tensor.numpy()
-        if arch == "llama" and "q_proj" in name:
-            w = _llama_cpp_permute(w, c.num_attention_heads)
-        elif arch == "llama" and "k_proj" in name:
-            w = _llama_cpp_permute(w, c.num_key_value_heads)
-        for old, new in _HF_TO_GGUF:
+        permuted = arch == "llama" and ("q_proj" in hf_name or "k_proj" in hf_name)
+        heads = c.num_attention_heads if "q_proj" in hf_name else c.num_key_value_heads
+        if permuted:
+            w = _llama_cpp_permute(w, heads)
+        name = hf_name
+        for old, new in _HF_TO_GGUF_BY_ARCH.get(arch, []) + _HF_TO_GGUF:
             name = name.replace(old, new)
+        if arch.startswith("gemma") and name.endswith("norm.weight"):
+            w = w + 1
         qtype = (types or {}).get(name.split(".")[-2], gguf.GGMLQuantizationType.F32)
-        if w.ndim == 2 and qtype in K_QUANT_RANGE:
-            rng = np.random.default_rng(zlib.crc32(name.encode()))
-            blocks = random_k_quant_blocks(qtype, np.abs(w).max(axis=1), w.shape[1], rng)
+        if w.ndim == 2 and qtype != gguf.GGMLQuantizationType.F32:
+            if qtype in K_QUANT_RANGE:
+                rng = np.random.default_rng(zlib.crc32(name.encode()))
+                blocks = random_k_quant_blocks(qtype, np.abs(w).max(axis=1), w.shape[1], rng)
+            else:
+                blocks = gguf.quants.quantize(w, qtype)
             writer.add_tensor(name, blocks, raw_dtype=qtype)
-        elif w.ndim == 2 and qtype != gguf.GGMLQuantizationType.F32:
-            writer.add_tensor(name, gguf.quants.quantize(w, qtype), raw_dtype=qtype)
+            if sync:  # the model takes the file's weights
+                held = gguf.quants.dequantize(blocks, qtype).reshape(w.shape)
+                if permuted:
+                    held = _llama_cpp_permute(held, heads, back=True)
+                tensor.copy_(torch.from_numpy(np.ascontiguousarray(held)))
         else:
             writer.add_tensor(name, np.ascontiguousarray(w))
     writer.write_header_to_file()

@@ -95,6 +95,12 @@ class ModelConfig:
             return None
         return self.sliding_window
 
+    def fused_rows(self, parts: int) -> list[int]:
+        """The rows of each part of a fused q/k/v (3 parts) or gate/up (2) matrix."""
+        if parts == 3:
+            return [self.num_heads * self.head_dim] + [self.num_kv_heads * self.head_dim] * 2
+        return [self.intermediate_size] * 2
+
     def rope_index(self, layer: int) -> int:
         """Which rope table the layer reads: 0 the model's, 1 the sliding layers' own."""
         return int(self.local_rope_theta is not None and self.window(layer) is not None)

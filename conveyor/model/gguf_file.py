@@ -20,12 +20,12 @@ import torch
 import transformers
 
 from conveyor.kernels.blocks import BLOCK_TYPES, QuantizedWeight
-from conveyor.model.config import ModelConfig
+from conveyor.model.config import GEMMA, ModelConfig
 from conveyor.model.gguf_reader import GGUFFile
 
 logger = logging.getLogger("conveyor")
 
-SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3")
 
 _Q = gguf.GGMLQuantizationType
 
@@ -33,6 +33,11 @@ _TOP_LEVEL_NAMES = {
     "token_embd.weight": "tok_embeddings.weight",
     "output_norm.weight": "norm.weight",
     "output.weight": "output.weight",
+}
+# Matrices llama.cpp stores fused (Phi-3's, as its checkpoints do): their parts, by rows.
+_FUSED_BLOCK_NAMES = {
+    "phi3": {"attn_qkv": ("attention.wq", "attention.wk", "attention.wv"),
+             "ffn_up": ("feed_forward.w1", "feed_forward.w3")},
 }
 _BLOCK_NAMES = {
     "attn_norm": "attention_norm",
@@ -46,6 +51,8 @@ _BLOCK_NAMES = {
     "ffn_gate": "feed_forward.w1",
     "ffn_up": "feed_forward.w3",
     "ffn_down": "feed_forward.w2",
+    "post_attention_norm": "post_attention_norm",  # (Gemma's four norms a layer)
+    "post_ffw_norm": "post_ffn_norm",
 }
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 # The tensor types gguf-py dequantizes: F32, F16 and the block types in its registry (not the
@@ -108,14 +115,32 @@ def gguf_architecture(reader: GGUFFile) -> str:
 
 
 def gguf_config(reader: GGUFFile) -> ModelConfig:
-    """ModelConfig from `{arch}.*` metadata; llama.cpp has no dtype, so torch_dtype is None."""
+    """ModelConfig from `{arch}.*` metadata; llama.cpp has no dtype, so torch_dtype is None.
+    What llama.cpp fixes per architecture rather than storing (Gemma's window pattern, local
+    rope base and scores' scale) is fixed here the same way."""
     arch = gguf_architecture(reader)
     scaling = _field(reader, f"{arch}.rope.scaling.type", None)
-    if scaling not in (None, "none"):
+    rope_scaling = None
+    if scaling == "linear":
+        rope_scaling = {"rope_type": "linear",
+                        "factor": _number(reader, f"{arch}.rope.scaling.factor", kind=float)}
+    elif scaling not in (None, "none"):
         raise ValueError(f"rope scaling {scaling!r} is not supported for GGUF files")
     tensors = {t.name: t for t in reader.tensors}
     hidden = _number(reader, f"{arch}.embedding_length")
     num_heads = _number(reader, f"{arch}.attention.head_count")
+    num_layers = _number(reader, f"{arch}.block_count")
+    head_dim = _number(reader, f"{arch}.attention.key_length", hidden // num_heads)
+    gemma = arch in GEMMA
+    window = (_number(reader, f"{arch}.attention.sliding_window", None)
+              if arch in _WINDOWED else None)
+    layer_types = None
+    if window is not None and gemma:  # llama.cpp's patterns: every 2nd, every 6th layer full
+        pattern = 2 if arch == "gemma2" else 6
+        layer_types = tuple("sliding_attention" if (i + 1) % pattern else "full_attention"
+                            for i in range(num_layers))
+    # llama.cpp's scores' scale: head_dim ** -0.5, but hidden / heads for the 27B models
+    big = num_layers == {"gemma2": 46, "gemma3": 62}.get(arch)
     vocab = _number(reader, f"{arch}.vocab_size", None)
     if vocab is None:  # llama.cpp's converter often leaves it out: the embedding's rows
         embd = tensors.get("token_embd.weight")
@@ -127,19 +152,29 @@ def gguf_config(reader: GGUFFile) -> ModelConfig:
         vocab_size=vocab,
         hidden_size=hidden,
         intermediate_size=_number(reader, f"{arch}.feed_forward_length"),
-        num_layers=_number(reader, f"{arch}.block_count"),
+        num_layers=num_layers,
         num_heads=num_heads,
         num_kv_heads=_number(reader, f"{arch}.attention.head_count_kv", num_heads),
-        head_dim=_number(reader, f"{arch}.attention.key_length", hidden // num_heads),
+        head_dim=head_dim,
         rms_norm_eps=_number(reader, f"{arch}.attention.layer_norm_rms_epsilon", kind=float),
         rope_theta=_number(reader, f"{arch}.rope.freq_base", 10000.0, kind=float),
-        rope_scaling=None,
+        rope_scaling=rope_scaling,
         max_position_embeddings=_number(reader, f"{arch}.context_length"),
         tie_word_embeddings="output.weight" not in tensors,
         attention_bias=arch == "qwen2" or "blk.0.attn_q.bias" in tensors,
-        qk_norm=arch == "qwen3",
+        qk_norm=arch in ("qwen3", "gemma3"),
         torch_dtype=None,
+        sliding_window=window,
+        layer_types=layer_types,
+        hidden_act="gelu_pytorch_tanh" if gemma else "silu",
+        attention_scale=(hidden / num_heads if big else head_dim) ** -0.5 if gemma else None,
+        attn_softcap=_number(reader, f"{arch}.attn_logit_softcapping", None, kind=float),
+        final_softcap=_number(reader, f"{arch}.final_logit_softcapping", None, kind=float),
+        local_rope_theta=10000.0 if arch == "gemma3" else None,
+        output_bias="blk.0.attn_output.bias" in tensors,
     )
+    if not gemma and (config.attn_softcap or config.final_softcap):
+        raise ValueError(f"GGUF soft-capping is not implemented for {arch}")
     _check_counts(config, tensors)
     _refuse_unread(reader, config)
     return config
@@ -151,7 +186,10 @@ def gguf_config(reader: GGUFFile) -> ModelConfig:
 _READ = frozenset({"context_length", "embedding_length", "block_count", "feed_forward_length",
                    "attention.head_count", "attention.head_count_kv", "attention.key_length",
                    "attention.layer_norm_rms_epsilon", "rope.freq_base", "rope.scaling.type",
-                   "vocab_size"})
+                   "vocab_size", "attn_logit_softcapping", "final_logit_softcapping"})
+# The architectures whose sliding window llama.cpp applies (Llama's and Qwen's it ignores:
+# there the key is refused, not followed in a way llama.cpp does not).
+_WINDOWED = ("phi3", "gemma2", "gemma3")
 _AT = {"rope.dimension_count": lambda c: c.head_dim, "attention.value_length": lambda c: c.head_dim,
        "expert_count": lambda c: 0, "expert_used_count": lambda c: 0}
 _UNUSED_WITHOUT_SCALING = ("rope.scaling.",)  # (factors of a scaling type "none")
@@ -163,7 +201,9 @@ def _refuse_unread(reader: GGUFFile, config: ModelConfig) -> None:
         if not key.startswith(arch + "."):
             continue
         name = key[len(arch) + 1:]
-        if name in _READ or name.startswith(_UNUSED_WITHOUT_SCALING):
+        if (name in _READ or name.startswith(_UNUSED_WITHOUT_SCALING) and
+                config.rope_scaling is None or name == "rope.scaling.factor"
+                or name == "attention.sliding_window" and arch in _WINDOWED):
             continue
         value = reader.value(key)
         if name in _AT and value == _AT[name](config):
@@ -188,7 +228,7 @@ def _check_counts(config: ModelConfig, tensor_names: Iterable[str]) -> None:
                          f"for {len(blocks)} blocks")
 
 
-def check_gguf_tensors(reader: GGUFFile) -> dict[str, tuple[int, ...]]:
+def check_gguf_tensors(reader: GGUFFile, config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every tensor's name, type and bytes, checked before anything reads its data; returns
     their shapes (HF [out, in] layout, our names) for ``loader.check_shapes``.
 
@@ -196,7 +236,8 @@ def check_gguf_tensors(reader: GGUFFile) -> dict[str, tuple[int, ...]]:
     must fail here, not as a segfault. As llama.cpp requires, tensors lie back to back in
     table order, each padded to the alignment: a tensor that starts anywhere else means the
     one before it is not the size its shape and type say (a wrong type or block count)."""
-    names = {t.name: _rename(t.name) for t in reader.tensors}
+    arch = config.architecture
+    names = {t.name: _rename(t.name, arch) for t in reader.tensors}
     unknown = [gguf_name for gguf_name, name in names.items() if name is None]
     if "rope_freqs.weight" in unknown:
         raise ValueError("GGUF file has rope_freqs.weight: llama3 rope scaling is not "
@@ -222,7 +263,15 @@ def check_gguf_tensors(reader: GGUFFile) -> dict[str, tuple[int, ...]]:
                              f"the end of the file")
         offset += -(-n_bytes // reader.alignment) * reader.alignment
         before = f"{t.name} ({kind} {shape}) ends"
-        shapes[names[t.name]] = shape
+        name = names[t.name]
+        if isinstance(name, tuple):  # a fused matrix: its parts' shapes, if its rows add up
+            rows = config.fused_rows(len(name))
+            if len(shape) != 2 or shape[0] != sum(rows):
+                raise ValueError(f"{t.name} has shape {shape}, not {sum(rows)} rows of its "
+                                 f"{len(name)} parts")
+            shapes |= {part: (n, shape[1]) for part, n in zip(name, rows)}
+        else:
+            shapes[name] = shape
     return shapes
 
 
@@ -252,7 +301,20 @@ def gguf_tensors(reader: GGUFFile, config: ModelConfig
     quantized: dict[str, QuantizedWeight] = {}
     dense: list[tuple[str, int]] = []
     for t in reader.tensors:
-        name, kind = _rename(t.name), int(t.ggml_type)
+        name, kind = _rename(t.name, config.architecture), int(t.ggml_type)
+        if isinstance(name, tuple):  # fused: its parts as runs of its rows (no release: the
+            # parts share the tensor's pages)
+            rows = np.cumsum([0, *config.fused_rows(len(name))])
+            if kind in BLOCK_TYPES:
+                blocks = torch.from_numpy(reader.tensor_bytes(t).reshape(t.shape[0], -1))
+                quantized |= {part: QuantizedWeight(kind, blocks[a:b])
+                              for part, a, b in zip(name, rows, rows[1:])}
+            else:
+                dense.extend((part, kind) for part in name)
+                w = torch.from_numpy(np.array(gguf.quants.dequantize(
+                    reader.tensor_bytes(t), t.ggml_type).reshape(t.shape), dtype=np.float32))
+                weights |= {part: w[a:b] for part, a, b in zip(name, rows, rows[1:])}
+            continue
         if len(t.shape) == 2 and kind in BLOCK_TYPES | {int(_Q.Q5_0)}:
             blocks = reader.tensor_bytes(t).reshape(t.shape[0], -1)
             moved = _unpermute_rows(blocks, name, config)
@@ -300,11 +362,17 @@ def matrices_by_type(matrices: Iterable[tuple[str, int]]) -> str:
                      for kind, group in sorted(names.items()))
 
 
-def _rename(gguf_name: str) -> str | None:
+def _rename(gguf_name: str, arch: str) -> str | tuple[str, ...] | None:
+    """Our name of a GGUF tensor; a fused matrix's parts' names; None if unknown."""
     if gguf_name in _TOP_LEVEL_NAMES:
         return _TOP_LEVEL_NAMES[gguf_name]
     m = _BLOCK_RE.fullmatch(gguf_name)
-    if m is None or m.group(2) not in _BLOCK_NAMES:
+    if m is None:
+        return None
+    fused = _FUSED_BLOCK_NAMES.get(arch, {}).get(m.group(2))
+    if fused is not None and m.group(3) == "weight":
+        return tuple(f"layers.{m.group(1)}.{part}.weight" for part in fused)
+    if m.group(2) not in _BLOCK_NAMES:
         return None
     return f"layers.{m.group(1)}.{_BLOCK_NAMES[m.group(2)]}.{m.group(3)}"
 
@@ -346,7 +414,8 @@ def load_gguf_tokenizer(path: str) -> transformers.PreTrainedTokenizerBase:
 def _store(tokenizer: transformers.PreTrainedTokenizerBase, root: str, cached: str) -> None:
     """Save into a temp dir and rename it into place, so readers never see half a cache.
 
-    Only a round trip that behaves identically is kept; a cache that cannot be written is skipped.
+    Only a round trip that behaves identically is kept; a cache that cannot be written, or a
+    tokenizer that cannot encode the probe text, is skipped.
     """
     try:
         os.makedirs(root, exist_ok=True)
@@ -364,7 +433,7 @@ def _store(tokenizer: transformers.PreTrainedTokenizerBase, root: str, cached: s
         )
         if same:
             os.rename(tmp, cached)  # fails if another process got there first: keep theirs
-    except OSError:
+    except Exception:  # noqa: BLE001  (an OSError, or a vocabulary that cannot spell the probe)
         pass
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -157,7 +157,7 @@ def _load_gguf(path: str) -> LoadedModel:
     reader = read_gguf(path)
     try:
         config = gguf_config(reader)
-        check_shapes(check_gguf_tensors(reader), config)
+        check_shapes(check_gguf_tensors(reader, config), config)
         weights, quantized = gguf_tensors(reader, config)
         eos_token_ids = gguf_eos_token_ids(reader)
     except ValueError as e:
@@ -249,7 +249,7 @@ def _hf_weights(tensors: dict[str, torch.Tensor], config: ModelConfig) -> dict[s
         m = _HF_LAYER_RE.fullmatch(hf_name)
         if m is not None and m.group(2) in _HF_FUSED_LAYER_NAMES:  # its parts, views of it
             parts = _HF_FUSED_LAYER_NAMES[m.group(2)]
-            sizes = _fused_rows(config, len(parts))
+            sizes = config.fused_rows(len(parts))
             if tensor.shape[0] != sum(sizes):
                 raise ValueError(f"{hf_name} has {tensor.shape[0]} rows, not {sum(sizes)}")
             for part, rows in zip(parts, tensor.split(sizes)):
@@ -266,13 +266,6 @@ def _hf_weights(tensors: dict[str, torch.Tensor], config: ModelConfig) -> dict[s
     if unexpected:
         raise ValueError(f"unexpected tensors in checkpoint: {', '.join(sorted(unexpected)[:5])}")
     return weights
-
-
-def _fused_rows(config: ModelConfig, parts: int) -> list[int]:
-    """The rows of each part of a fused q/k/v (3 parts) or gate/up (2) matrix."""
-    if parts == 3:
-        return [config.num_heads * config.head_dim] + [config.num_kv_heads * config.head_dim] * 2
-    return [config.intermediate_size] * 2
 
 
 def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
