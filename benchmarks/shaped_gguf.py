@@ -3,7 +3,9 @@ sizes users run (every figure in docs/results/ names its shape).
 
 The weights are random (normal, std 0.02; norms 1), the tokenizer is the default model's
 (SmolLM2's 49152 tokens, copied from its GGUF's metadata), so the embedding and head have 49152
-rows where the real model has its own vocabulary (Llama 3: 128256), and the rope-scaling table
+rows where the real model has its own vocabulary (Llama 3: 128256), unless the shape pads the
+vocabulary to the real size (Gemma 3's 262144, whose head is a large share of the model), and
+the rope-scaling table
 llama.cpp's converter writes for Llama 3.1/3.2 (``rope_freqs``) is left out: neither changes what
 a layer costs. The types gguf-py quantizes (F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1) are
 written directly, a tensor at a time; the others (the K-quant mixes: Q4_K_M, Q6_K, ...) are
@@ -50,6 +52,9 @@ class Shape:
     head_dim: int | None = None  # when not hidden / heads
     qkv_bias: bool = False
     qk_norm: bool = False
+    post_norms: bool = False  # Gemma's norms after attention and feed-forward too
+    sliding_window: int | None = None
+    vocab: int | None = None  # the real vocabulary's size, where its head is a large share
 
 
 SHAPES = {
@@ -62,6 +67,10 @@ SHAPES = {
                         qkv_bias=True),
     "qwen3-8b": Shape("qwen3", 4096, 36, 32, 8, 12288, False, 1000000.0, 1e-6, 40960,
                       head_dim=128, qk_norm=True),
+    # 262144 tokens: the head is ~30% of the weights, so the vocabulary is padded to it
+    "gemma-3-1b": Shape("gemma3", 1152, 26, 4, 1, 6912, True, 1000000.0, 1e-6, 32768,
+                        head_dim=256, qk_norm=True, post_norms=True, sliding_window=512,
+                        vocab=262144),
 }
 DIRECT_TYPES = {"F16": Q.F16, "BF16": Q.BF16, "Q8_0": Q.Q8_0, "Q4_0": Q.Q4_0, "Q4_1": Q.Q4_1,
                 "Q5_0": Q.Q5_0, "Q5_1": Q.Q5_1}
@@ -83,23 +92,36 @@ def tensors(shape: Shape, vocab: int) -> list[tuple[str, tuple[int, ...]]]:
             out += [(p + "attn_q.bias", (q,)), (p + "attn_k.bias", (kv,)), (p + "attn_v.bias", (kv,))]
         if s.qk_norm:
             out += [(p + "attn_q_norm.weight", (d,)), (p + "attn_k_norm.weight", (d,))]
+        if s.post_norms:
+            out += [(p + "post_attention_norm.weight", (s.hidden,)),
+                    (p + "post_ffw_norm.weight", (s.hidden,))]
     out.append(("output_norm.weight", (s.hidden,)))
     if not s.tied:
         out.append(("output.weight", (vocab, s.hidden)))
     return out
 
 
-def _copy_tokenizer(writer: gguf.GGUFWriter, source: gguf.GGUFReader) -> int:
-    """The source's tokenizer.* metadata, as stored; returns its vocabulary size."""
+def _copy_tokenizer(writer: gguf.GGUFWriter, source: gguf.GGUFReader,
+                    vocab: int | None) -> int:
+    """The source's tokenizer.* metadata, as stored, its tokens padded to ``vocab`` with plain
+    ones no merge makes (``<unusedN>``, spelled out in text, as a random model emits them);
+    returns the vocabulary size."""
+    tokens = len(source.fields["tokenizer.ggml.tokens"].data)
+    pad = max(0, (vocab or tokens) - tokens)
     for key, field in source.fields.items():
         if not key.startswith("tokenizer."):
             continue
         kind = gguf.GGUFValueType(field.types[0])
         if kind == gguf.GGUFValueType.ARRAY:
-            writer.add_key_value(key, field.contents(), kind, gguf.GGUFValueType(field.types[1]))
+            values = field.contents()
+            if key == "tokenizer.ggml.tokens":
+                values = values + [f"<unused{i}>" for i in range(pad)]
+            elif key == "tokenizer.ggml.token_type":
+                values = values + [1] * pad
+            writer.add_key_value(key, values, kind, gguf.GGUFValueType(field.types[1]))
         else:
             writer.add_key_value(key, field.contents(), kind)
-    return len(source.fields["tokenizer.ggml.tokens"].data)
+    return tokens + pad
 
 
 def _metadata(writer: gguf.GGUFWriter, name: str, shape: Shape) -> None:
@@ -116,6 +138,8 @@ def _metadata(writer: gguf.GGUFWriter, name: str, shape: Shape) -> None:
         writer.add_value_length(s.head_dim)
     writer.add_layer_norm_rms_eps(s.eps)
     writer.add_rope_freq_base(s.rope_theta)
+    if s.sliding_window is not None:
+        writer.add_sliding_window(s.sliding_window)
 
 
 def _values(rng: np.random.Generator, name: str, dims: tuple[int, ...]) -> np.ndarray:
@@ -130,7 +154,7 @@ def write_direct(path: str, name: str, shape: Shape, ggml_type: Q, seed: int) ->
     source = gguf.GGUFReader(default_model_path())
     writer = gguf.GGUFWriter(path, shape.arch)
     _metadata(writer, name, shape)
-    vocab = _copy_tokenizer(writer, source)
+    vocab = _copy_tokenizer(writer, source, shape.vocab)
     writer.add_file_type(int(gguf.LlamaFileType.MOSTLY_F16) if ggml_type == Q.F16 else 0)
     plan = tensors(shape, vocab)
     for tensor_name, dims in plan:

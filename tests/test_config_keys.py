@@ -3,12 +3,16 @@ name."""
 
 from __future__ import annotations
 
+import dataclasses
+import math
 
 import pytest
+import torch
 
 from conveyor.llm import LLM
 from conveyor.model.config import GEMMA, ModelConfig
 from conveyor.model.gguf_file import gguf_config, read_gguf
+from conveyor.model.rope import rope_attention_factor, rope_inv_freq
 
 from tiny_models import _CONFIG_CLASSES, make_tiny_checkpoint, make_tiny_model, write_gguf
 
@@ -36,9 +40,11 @@ def test_what_transformers_writes_is_accepted(arch):
 
 
 # (Gemma's networks soft-cap: for them these keys are read)
+# (and Phi-3's rotates part of a head)
 REFUSALS = [pytest.param(arch, key, value, id=f"{arch}-{key}")
             for arch in sorted(_CONFIG_CLASSES) for key, value in UNIMPLEMENTED
-            if not (arch in GEMMA and key.endswith("_softcapping"))]
+            if not (arch in GEMMA and key.endswith("_softcapping")
+                    or arch == "phi3" and key == "partial_rotary_factor")]
 
 
 @pytest.mark.parametrize("arch,key,value", REFUSALS)
@@ -47,11 +53,35 @@ def test_an_unimplemented_key_is_refused_by_name(arch, key, value):
         ModelConfig.from_hf_config(hf_config(arch, **{key: value}))
 
 
-def test_a_partial_rotary_factor_in_the_rope_parameters_is_refused():
-    config = hf_config("phi3")
+@pytest.mark.parametrize("arch,rotary", [("phi3", 24), ("llama", None)])
+def test_a_partial_rotary_factor_in_the_rope_parameters_is_read_where_the_family_has_it(
+        arch, rotary):
+    """(transformers 5 moves the factor into rope_parameters)"""
+    config = hf_config(arch, hidden_size=128, num_attention_heads=4)
     config["rope_parameters"] = dict(config["rope_parameters"], partial_rotary_factor=0.75)
-    with pytest.raises(ValueError, match="partial_rotary_factor = 0.75"):
-        ModelConfig.from_hf_config(config)
+    if rotary is None:
+        with pytest.raises(ValueError, match="partial_rotary_factor = 0.75"):
+            ModelConfig.from_hf_config(config)
+    else:
+        assert ModelConfig.from_hf_config(config).rotary == rotary
+
+
+def test_longrope_takes_its_long_factors_where_the_served_length_passes_the_pretrained_one():
+    """llama.cpp's rule (see rope.longrope_factors), and transformers' attention factor."""
+    config = ModelConfig.from_hf_config(hf_config(
+        "phi3", hidden_size=64, num_attention_heads=4, max_position_embeddings=8192,
+        original_max_position_embeddings=4096,
+        rope_scaling={"rope_type": "longrope", "short_factor": [1.0] * 8,
+                      "long_factor": [4.0] * 8}))
+    base = rope_inv_freq(dataclasses.replace(config, rope_scaling=None), 4096)
+    assert torch.equal(rope_inv_freq(config, 4096), base)
+    assert torch.equal(rope_inv_freq(config, 4097), base / 4)
+    assert rope_attention_factor(config) == pytest.approx(math.sqrt(1 + math.log(2) / math.log(4096)))
+    with pytest.raises(ValueError, match="short_factor has 3 factors, not 8"):
+        ModelConfig.from_hf_config(hf_config(
+            "phi3", hidden_size=64, num_attention_heads=4, original_max_position_embeddings=4096,
+            rope_scaling={"rope_type": "longrope", "short_factor": [1.0] * 3,
+                          "long_factor": [4.0] * 8}))
 
 
 @pytest.mark.parametrize("arch,overrides,window", [
@@ -88,8 +118,13 @@ def test_gguf_metadata_is_read_or_refused(arch, tmp_path):
                        metadata={"rope.dimension_count": head_dim})
     config = gguf_config(read_gguf(plain))
     assert config.head_dim == head_dim
-    refused = [("rope.dimension_count", head_dim // 2),  # partial rotary
-               ("expert_count", 8)]
+    refused = [("expert_count", 8)]
+    partial = write_gguf(str(tmp_path / "partial.gguf"), model,
+                         metadata={"rope.dimension_count": head_dim // 2})
+    if arch == "phi3":  # Phi-4-mini rotates part of each head
+        assert gguf_config(read_gguf(partial)).rotary == head_dim // 2
+    else:
+        refused.append(("rope.dimension_count", head_dim // 2))
     if arch in GEMMA:  # read: the window, Gemma 2's soft caps (tiny_models writes them)
         assert config.sliding_window == model.config.sliding_window
         assert config.attn_softcap == getattr(model.config, "attn_logit_softcapping", None)

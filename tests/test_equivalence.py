@@ -169,6 +169,15 @@ def test_default_gguf_bf16_first_tokens_match_transformers(default_gguf_path, ma
           f"{BF16_TOKENS} tokens")
 
 
+def phi3_longrope(pairs: int) -> dict:
+    """LongRoPE over `pairs` rotated pairs, pretrained at 4096 of 8192 positions."""
+    return {"max_position_embeddings": 8192, "original_max_position_embeddings": 4096,
+            "rope_scaling": {"rope_type": "longrope",
+                             "short_factor": [1.0 + i / pairs for i in range(pairs)],
+                             "long_factor": [2.0 + 6 * i / pairs for i in range(pairs)]}}
+
+
+
 TINY = {
     "llama": ("llama", {}),
     "llama-bf16": ("llama", {"dtype": torch.bfloat16}),  # the kernels read its bfloat16 rows
@@ -182,6 +191,9 @@ TINY = {
     "qwen2": ("qwen2", {}),
     "qwen3": ("qwen3", {}),
     "phi3": ("phi3", {}),
+    # Phi-4-mini's rope: half of each head rotated, LongRoPE (its short factors, as the served
+    # length is within the pretrained one; the attention factor from 8192 / 4096)
+    "phi3-partial-longrope": ("phi3", {"partial_rotary_factor": 0.5, **phi3_longrope(4)}),
     # sliding windows shorter than the prompts and answers (5-90 tokens, then 40), across pages
     # of 16: every layer's (Mistral), from the second layer on (Qwen2), every other (Gemma 2),
     # the first of two with its own rope (Gemma 3)
@@ -265,14 +277,15 @@ def test_a_type_the_kernels_do_not_read_runs_dense(k_quant_gguf, monkeypatch, ca
 
 # The families llama.cpp writes in their own layouts (Gemma's four norms as 1 + w, Phi-3's fused
 # q/k/v and gate/up), in a K-quant mix with Q8_0 where a row is too short for K-quant blocks;
-# windows as llama.cpp fixes them (Gemma 2 every other layer, Gemma 3 five in six, Phi-3 all)
-# and Gemma's scores at head_dim ** -0.5, as llama.cpp scores them.
+# windows as llama.cpp fixes them (Gemma 2 every other layer, Gemma 3 five in six, Phi-3 all),
+# Gemma's scores at head_dim ** -0.5, as llama.cpp scores them; Phi-3 with Phi-4-mini's partial
+# rotary and LongRoPE factors as tensors.
 FAMILY_MIX = {**K_MIX, "attn_output": Q.Q8_0, "attn_qkv": Q.Q4_K}
 GGUF_FAMILIES = {
     "gemma2": dict(head_dim=64, query_pre_attn_scalar=64, sliding_window=24),
     "gemma3": dict(head_dim=64, query_pre_attn_scalar=64, sliding_window=24, layer_types=None,
                    num_hidden_layers=6),
-    "phi3": dict(sliding_window=24),
+    "phi3": dict(sliding_window=24, partial_rotary_factor=0.5, **phi3_longrope(16)),
 }
 
 

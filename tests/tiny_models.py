@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import math
 import os
 import zlib
 from typing import Any
@@ -230,6 +231,18 @@ def write_gguf(path: str, model: transformers.PreTrainedModel, *,
     for cap in ("attn_logit_softcapping", "final_logit_softcapping"):
         if getattr(c, cap, None) is not None:
             writer.add_float32(f"{arch}.{cap}", getattr(c, cap))
+    rotary = int(getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads)
+    rotary = int(rotary * rope.get("partial_rotary_factor", 1.0))
+    if arch == "phi3" and rotary != c.hidden_size // c.num_attention_heads:
+        writer.add_rope_dimension_count(rotary)
+    if rope.get("rope_type") == "longrope":  # as the converter writes Phi-3's LongRoPE
+        original = c.original_max_position_embeddings
+        writer.add_rope_scaling_orig_ctx_len(original)
+        scale = c.max_position_embeddings / original
+        writer.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(original)))
+        for kind in ("long", "short"):
+            writer.add_tensor(f"rope_factors_{kind}.weight",
+                              np.array(rope[f"{kind}_factor"], dtype=np.float32))
     for key, value in (metadata or {}).items():
         (writer.add_float32 if isinstance(value, float) else writer.add_uint32)(
             f"{arch}.{key}", value)

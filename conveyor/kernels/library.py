@@ -20,7 +20,7 @@ from conveyor.kernels.bindings import (AddRMSNorm, ArgmaxRows, DecodeKernel, Dec
 
 logger = logging.getLogger("conveyor")
 
-BF16_HEAD_DIMS = (64, 128)  # the specialisations paged_decode_bf16.c compiles
+BF16_HEAD_DIMS = (64, 128, 256)  # the specialisations paged_decode_bf16.c compiles
 OFF = "CONVEYOR_CPU_KERNELS"
 
 

@@ -145,10 +145,11 @@ def _use_elementwise_kernels(model: Transformer, kernels: CPUKernels) -> None:
 def _use_decode_stack(model: Transformer, kernels: CPUKernels,
                       kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
     """Run a step of a few decodes through all layers in one kernel call, when every layer
-    is what that kernel computes: Llama's (not a family's own network), no q/k norms, every
-    linear in GGUF blocks, no output bias (sliding windows it takes)."""
+    is what that kernel computes: Llama's (not a family's own network), no q/k norms, whole
+    heads rotated, every linear in GGUF blocks, no output bias (sliding windows it takes)."""
     linears = [m for layer in model.layers for m in layer.modules() if isinstance(m, Linear)]
     if (type(model) is not Transformer or model.config.qk_norm
+            or model.config.rotary_dim is not None
             or any(m.quantized is None for m in linears)
             or any(layer.attention.wo.bias is not None for layer in model.layers)):
         return

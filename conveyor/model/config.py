@@ -35,7 +35,7 @@ METADATA_KEYS = frozenset({
     "_sliding_window_pattern", "sliding_window_pattern",  # (spelled out by layer_types)
 })
 # Keys Conveyor runs at one value only (the network's without them): refused at any other.
-_NEUTRAL = {"mlp_bias": (False,), "partial_rotary_factor": (1.0,), "use_mrope": (False,),
+_NEUTRAL = {"mlp_bias": (False,), "use_mrope": (False,),
             "quantization_config": (None,), "use_bidirectional_attention": (False, None)}
 # The feed-forward's activations: silu (SwiGLU) and Gemma's tanh-approximated gelu (GeGLU).
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
@@ -47,7 +47,7 @@ _READ_KEYS = frozenset({
     "attention_bias", "torch_dtype", "dtype", "sliding_window", "use_sliding_window",
     "max_window_layers", "layer_types", "original_max_position_embeddings", "hidden_act",
     "hidden_activation", "query_pre_attn_scalar", "attn_logit_softcapping",
-    "final_logit_softcapping", "rope_local_base_freq"})
+    "final_logit_softcapping", "rope_local_base_freq", "partial_rotary_factor"})
 
 # Fields each supported rope scaling type needs, spelled as in Hugging Face configs.
 _ROPE_SCALING_FIELDS = {
@@ -55,7 +55,12 @@ _ROPE_SCALING_FIELDS = {
     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
     # (beta_fast, beta_slow, mscale, mscale_all_dim, attention_factor, truncate: optional)
     "yarn": ("factor", "original_max_position_embeddings"),
+    # (factor, attention_factor: optional)
+    "longrope": ("short_factor", "long_factor", "original_max_position_embeddings"),
 }
+# Architectures whose transformers network rotates only part of each head when its config
+# says so (partial_rotary_factor): refused elsewhere.
+_PARTIAL_ROTARY = ("phi3",)
 
 
 @dataclass(frozen=True)
@@ -87,6 +92,12 @@ class ModelConfig:
     final_softcap: float | None = None  # the logits likewise
     local_rope_theta: float | None = None  # the sliding layers' own rope base (Gemma 3)
     output_bias: bool = False  # the attention's output projection has a bias
+    rotary_dim: int | None = None  # the head's first dimensions rope rotates, if not all
+
+    @property
+    def rotary(self) -> int:
+        """The dimensions of each head rope rotates."""
+        return self.rotary_dim or self.head_dim
 
     def window(self, layer: int) -> int | None:
         """The sliding window of this layer, or None where it attends to everything."""
@@ -116,9 +127,16 @@ class ModelConfig:
         _refuse_unread(cfg, arch)
         num_heads = cfg["num_attention_heads"]
         head_dim = cfg.get("head_dim")
-        rope_theta, rope_scaling, local_theta = _parse_rope(cfg, arch)
+        rope_theta, rope_scaling, local_theta, partial = _parse_rope(cfg, arch)
         window, layer_types = _sliding_window(cfg, arch)
         gemma = arch in GEMMA
+        head_dim = head_dim if head_dim is not None else cfg["hidden_size"] // num_heads
+        rotary = int(head_dim * partial)
+        if rope_scaling is not None and rope_scaling["rope_type"] == "longrope":
+            for key in ("short_factor", "long_factor"):
+                if len(rope_scaling[key]) != rotary // 2:
+                    raise ValueError(f"rope scaling longrope {key} has {len(rope_scaling[key])} "
+                                     f"factors, not {rotary // 2}")
         return cls(
             architecture=arch,
             vocab_size=cfg["vocab_size"],
@@ -127,7 +145,8 @@ class ModelConfig:
             num_layers=cfg["num_hidden_layers"],
             num_heads=num_heads,
             num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
-            head_dim=head_dim if head_dim is not None else cfg["hidden_size"] // num_heads,
+            head_dim=head_dim,
+            rotary_dim=None if rotary == head_dim else rotary,
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
@@ -224,10 +243,10 @@ def _sliding_window(cfg: dict[str, Any], arch: str
 
 
 def _parse_rope(cfg: dict[str, Any], arch: str
-                ) -> tuple[float, dict[str, Any] | None, float | None]:
-    """(rope_theta, rope_scaling, the sliding layers' own rope base or None) from old-style
-    `rope_theta`/`rope_scaling` or transformers-5 `rope_parameters` (Gemma 3's: one for each
-    layer type, the sliding layers' unscaled)."""
+                ) -> tuple[float, dict[str, Any] | None, float | None, float]:
+    """(rope_theta, rope_scaling, the sliding layers' own rope base or None, the share of a
+    head rotated) from old-style `rope_theta`/`rope_scaling` or transformers-5
+    `rope_parameters` (Gemma 3's: one for each layer type, the sliding layers' unscaled)."""
     params = dict(cfg.get("rope_parameters") or {})
     local = None
     if arch == "gemma3":
@@ -243,18 +262,19 @@ def _parse_rope(cfg: dict[str, Any], arch: str
         raise ValueError(f"config.json rope_local_base_freq is not implemented for {arch}")
     theta = float(params.pop("rope_theta", None) or cfg.get("rope_theta")
                   or (1_000_000.0 if arch == "gemma3" else 10000.0))
-    partial = params.pop("partial_rotary_factor", 1.0)
-    if partial not in (1.0, None):  # (transformers 5 moves it here from the config's top)
+    # (transformers 5 moves it into rope_parameters from the config's top)
+    partial = params.pop("partial_rotary_factor", None) or cfg.get("partial_rotary_factor") or 1.0
+    if not 0 < partial <= 1 or partial != 1 and arch not in _PARTIAL_ROTARY:
         raise ValueError(f"config.json partial_rotary_factor = {partial!r} is not implemented "
-                         f"(only 1.0)")
+                         f"for {arch} (only 1.0)")
     scaling = dict(cfg.get("rope_scaling") or params)
     if "type" in scaling:
         scaling.setdefault("rope_type", scaling.pop("type"))
     scaling.pop("rope_theta", None)
     rope_type = scaling.get("rope_type", "default")
     if rope_type == "default":
-        return theta, None, local
-    if rope_type in ("llama3", "yarn") and cfg.get("original_max_position_embeddings"):
+        return theta, None, local, partial
+    if rope_type in ("llama3", "yarn", "longrope") and cfg.get("original_max_position_embeddings"):
         # (Phi-3 keeps the pretrained length at the top, and transformers prefers it there)
         scaling["original_max_position_embeddings"] = cfg["original_max_position_embeddings"]
     if rope_type == "yarn":  # the pretrained length, as transformers defaults it
@@ -266,4 +286,4 @@ def _parse_rope(cfg: dict[str, Any], arch: str
     missing = [f for f in _ROPE_SCALING_FIELDS[rope_type] if scaling.get(f) is None]
     if missing:
         raise ValueError(f"rope scaling {rope_type!r} is missing {', '.join(missing)}")
-    return theta, scaling, local
+    return theta, scaling, local, partial

@@ -141,6 +141,11 @@ def gguf_config(reader: GGUFFile) -> ModelConfig:
                             for i in range(num_layers))
     # llama.cpp's scores' scale: head_dim ** -0.5, but hidden / heads for the 27B models
     big = num_layers == {"gemma2": 46, "gemma3": 62}.get(arch)
+    rotary = head_dim
+    if arch == "phi3":  # partial rotary (Phi-4-mini), LongRoPE's factors as tensors
+        rotary = _number(reader, f"{arch}.rope.dimension_count", head_dim)
+        if "rope_factors_long.weight" in tensors:
+            rope_scaling = _longrope(reader, arch, tensors, rotary)
     vocab = _number(reader, f"{arch}.vocab_size", None)
     if vocab is None:  # llama.cpp's converter often leaves it out: the embedding's rows
         embd = tensors.get("token_embd.weight")
@@ -172,12 +177,34 @@ def gguf_config(reader: GGUFFile) -> ModelConfig:
         final_softcap=_number(reader, f"{arch}.final_logit_softcapping", None, kind=float),
         local_rope_theta=10000.0 if arch == "gemma3" else None,
         output_bias="blk.0.attn_output.bias" in tensors,
+        rotary_dim=None if rotary == head_dim else rotary,
     )
     if not gemma and (config.attn_softcap or config.final_softcap):
         raise ValueError(f"GGUF soft-capping is not implemented for {arch}")
     _check_counts(config, tensors)
     _refuse_unread(reader, config)
     return config
+
+
+# LongRoPE's factors, which llama.cpp's converter stores as tensors (F32, one per rotated pair)
+_ROPE_FACTORS = {"rope_factors_short.weight": "short_factor",
+                 "rope_factors_long.weight": "long_factor"}
+
+
+def _longrope(reader: GGUFFile, arch: str, tensors: dict, rotary: int) -> dict[str, Any]:
+    """Phi-3's LongRoPE from the file: the factors' tensors, the pretrained length and the
+    attention factor (which llama.cpp's converter computes and stores)."""
+    scaling: dict[str, Any] = {"rope_type": "longrope"}
+    for name, key in _ROPE_FACTORS.items():
+        t = tensors.get(name)
+        if t is None or t.ggml_type != _Q.F32 or tuple(t.shape) != (rotary // 2,):
+            raise ValueError(f"{name}: LongRoPE needs {rotary // 2} F32 factors")
+        scaling[key] = reader.tensor_bytes(t).view(np.float32).tolist()
+    scaling["original_max_position_embeddings"] = _number(
+        reader, f"{arch}.rope.scaling.original_context_length")
+    scaling["attention_factor"] = _number(reader, f"{arch}.rope.scaling.attn_factor", 1.0,
+                                          kind=float)
+    return scaling
 
 
 # ``{arch}.*`` keys ``gguf_config`` reads; every other one must hold what the network without
@@ -201,9 +228,13 @@ def _refuse_unread(reader: GGUFFile, config: ModelConfig) -> None:
         if not key.startswith(arch + "."):
             continue
         name = key[len(arch) + 1:]
+        longrope = config.rope_scaling is not None and config.rope_scaling["rope_type"] == "longrope"
         if (name in _READ or name.startswith(_UNUSED_WITHOUT_SCALING) and
                 config.rope_scaling is None or name == "rope.scaling.factor"
-                or name == "attention.sliding_window" and arch in _WINDOWED):
+                or name == "attention.sliding_window" and arch in _WINDOWED
+                or name == "rope.dimension_count" and arch == "phi3"
+                or longrope and name in ("rope.scaling.original_context_length",
+                                         "rope.scaling.attn_factor")):
             continue
         value = reader.value(key)
         if name in _AT and value == _AT[name](config):
@@ -237,7 +268,8 @@ def check_gguf_tensors(reader: GGUFFile, config: ModelConfig) -> dict[str, tuple
     table order, each padded to the alignment: a tensor that starts anywhere else means the
     one before it is not the size its shape and type say (a wrong type or block count)."""
     arch = config.architecture
-    names = {t.name: _rename(t.name, arch) for t in reader.tensors}
+    settings = set(_ROPE_FACTORS) if arch == "phi3" else set()  # (read by gguf_config)
+    names = {t.name: _rename(t.name, arch) for t in reader.tensors if t.name not in settings}
     unknown = [gguf_name for gguf_name, name in names.items() if name is None]
     if "rope_freqs.weight" in unknown:
         raise ValueError("GGUF file has rope_freqs.weight: llama3 rope scaling is not "
@@ -263,7 +295,9 @@ def check_gguf_tensors(reader: GGUFFile, config: ModelConfig) -> dict[str, tuple
                              f"the end of the file")
         offset += -(-n_bytes // reader.alignment) * reader.alignment
         before = f"{t.name} ({kind} {shape}) ends"
-        name = names[t.name]
+        name = names.get(t.name)
+        if name is None:  # (a setting's tensor)
+            continue
         if isinstance(name, tuple):  # a fused matrix: its parts' shapes, if its rows add up
             rows = config.fused_rows(len(name))
             if len(shape) != 2 or shape[0] != sum(rows):
@@ -301,6 +335,8 @@ def gguf_tensors(reader: GGUFFile, config: ModelConfig
     quantized: dict[str, QuantizedWeight] = {}
     dense: list[tuple[str, int]] = []
     for t in reader.tensors:
+        if t.name in _ROPE_FACTORS and config.architecture == "phi3":
+            continue  # (the config's)
         name, kind = _rename(t.name, config.architecture), int(t.ggml_type)
         if isinstance(name, tuple):  # fused: its parts as runs of its rows (no release: the
             # parts share the tensor's pages)

@@ -1,5 +1,6 @@
 """Rotary position embeddings: each position's cos and sin tables, with the rope scalings
-Hugging Face configs name (linear, llama3, YaRN), and their application to q and k."""
+Hugging Face configs name (linear, llama3, YaRN, LongRoPE), and their application to q and k
+(all of each head, or its first dimensions: partial rotary)."""
 
 from __future__ import annotations
 
@@ -10,8 +11,10 @@ import torch
 from conveyor.model.config import ModelConfig
 
 
-def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
-    dim = config.head_dim
+def rope_inv_freq(config: ModelConfig, max_len: int) -> torch.Tensor:
+    """Each rotated pair's frequency (the rotary dimensions': ``config.rotary``); max_len: the
+    longest sequence the tables serve, which picks longrope's factors."""
+    dim = config.rotary
     inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     scaling = config.rope_scaling
     if scaling is None:
@@ -20,6 +23,8 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
         return inv_freq / scaling["factor"]
     if scaling["rope_type"] == "yarn":
         return _yarn_inv_freq(config)
+    if scaling["rope_type"] == "longrope":
+        return inv_freq / torch.tensor(longrope_factors(config, max_len), dtype=torch.float32)
     # llama3: long wavelengths slowed by `factor`, short ones kept, a smooth blend in between.
     factor = scaling["factor"]
     low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
@@ -37,7 +42,7 @@ def _yarn_inv_freq(config: ModelConfig) -> torch.Tensor:
     """YaRN: each dimension's frequency interpolated (divided by ``factor``) where it turns
     fewer than ``beta_slow`` times over the pretrained length, kept where it turns more than
     ``beta_fast`` times, a linear ramp between (as transformers computes it)."""
-    s, dim, base = config.rope_scaling, config.head_dim, config.rope_theta
+    s, dim, base = config.rope_scaling, config.rotary, config.rope_theta
     old_len = s["original_max_position_embeddings"]
 
     def dim_of(rotations: float) -> float:  # the dimension that turns this often over old_len
@@ -56,14 +61,30 @@ def _yarn_inv_freq(config: ModelConfig) -> torch.Tensor:
             + 1.0 / pos_freqs * extrapolated)
 
 
-def rope_attention_factor(config: ModelConfig) -> float:
-    """What YaRN scales cos and sin by (so q.k by its square): ``attention_factor``, else from
-    ``factor`` and ``mscale``/``mscale_all_dim``; 1 for every other rope."""
+def longrope_factors(config: ModelConfig, max_len: int) -> list[float]:
+    """LongRoPE's divisors of the frequencies: the long ones where a sequence may outgrow the
+    pretrained length (``max_len`` past it), else the short ones. llama.cpp's rule: the choice
+    is the served length's, made once, so cached keys keep their rotation. transformers
+    switches as a sequence crosses that length; up to it the two agree."""
     s = config.rope_scaling
-    if s is None or s["rope_type"] != "yarn":
+    long = max_len > s["original_max_position_embeddings"]
+    return s["long_factor" if long else "short_factor"]
+
+
+def rope_attention_factor(config: ModelConfig) -> float:
+    """What YaRN and LongRoPE scale cos and sin by (so q.k by its square):
+    ``attention_factor``, else YaRN's from ``factor`` and ``mscale``/``mscale_all_dim``,
+    LongRoPE's from the ratio of the model's length to the pretrained one; 1 for every other
+    rope."""
+    s = config.rope_scaling
+    if s is None or s["rope_type"] not in ("yarn", "longrope"):
         return 1.0
     if s.get("attention_factor") is not None:
         return float(s["attention_factor"])
+    if s["rope_type"] == "longrope":
+        old_len = s["original_max_position_embeddings"]
+        factor = s.get("factor") or config.max_position_embeddings / old_len
+        return 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(old_len))
 
     def mscale(scale: float, m: float = 1.0) -> float:
         return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
@@ -75,9 +96,9 @@ def rope_attention_factor(config: ModelConfig) -> float:
 
 def rope_tables(config: ModelConfig, max_len: int, dtype: torch.dtype,
                 device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and signed sin of every position, [max_len, head_dim], in the model dtype: the sin's
-    first half is negated so that rotating a vector is one ``roll`` (see ``apply_rope``)."""
-    freqs = torch.outer(torch.arange(max_len, dtype=torch.float32), rope_inv_freq(config))
+    """cos and signed sin of every position, [max_len, rotary dims], in the model dtype: the
+    sin's first half is negated so that rotating a vector is one ``roll`` (see ``apply_rope``)."""
+    freqs = torch.outer(torch.arange(max_len, dtype=torch.float32), rope_inv_freq(config, max_len))
     emb = torch.cat((freqs, freqs), dim=-1)
     cos, sin = emb.cos(), emb.sin()
     factor = rope_attention_factor(config)
@@ -88,6 +109,10 @@ def rope_tables(config: ModelConfig, max_len: int, dtype: torch.dtype,
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, heads, D]; cos/sin: [T, 1, D] (the half-rotation layout transformers uses, whose
-    ``cat(-x2, x1) * sin`` equals ``roll(x) * signed sin`` bit for bit)."""
-    return x * cos + torch.roll(x, x.shape[-1] // 2, -1) * sin
+    """x: [T, heads, D]; cos/sin: [T, 1, R] (the half-rotation layout transformers uses, whose
+    ``cat(-x2, x1) * sin`` equals ``roll(x) * signed sin`` bit for bit). R < D: partial
+    rotary, the first R dimensions rotated and the rest passed through."""
+    rotary = cos.shape[-1]
+    if rotary < x.shape[-1]:
+        return torch.cat((apply_rope(x[..., :rotary], cos, sin), x[..., rotary:]), dim=-1)
+    return x * cos + torch.roll(x, rotary // 2, -1) * sin

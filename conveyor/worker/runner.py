@@ -117,7 +117,9 @@ class ModelRunner:
                         Sampler(config.vocab_size, device, seed, kernels.argmax_rows,
                                 kernels.sample_rows))
         self.decode_kernel = kernels.decode_attention if kernels is not None else None
-        self.rope_kv_write = kernels.rope_kv_write if kernels is not None else None
+        # (the kernel rotates whole heads)
+        self.rope_kv_write = (kernels.rope_kv_write if kernels is not None
+                              and config.rotary_dim is None else None)
         self._bitmask = BatchBitmask()
         self._bitmask_thread = ThreadPoolExecutor(1, thread_name_prefix="conveyor-bitmask")
 

@@ -117,7 +117,7 @@ static inline void attend(const uint16_t *q, const uint16_t *k_cache, const uint
                           const int32_t *table, int len, int skip, uint16_t *out, int heads,
                           int group, const int dim, int64_t row, int block_size, float scale,
                           float cap, int amx, float *buf) {
-    enum { MAXV = 4 };  /* zmm registers of bfloat16 a row of head_dim 128 takes */
+    enum { MAXV = 8 };  /* zmm registers of bfloat16 a row of head_dim 256 takes */
     const int nv = dim / 32, nq = heads * group, span = heads * dim;
     const int padded = (len + TILE - 1) / TILE * TILE;
     float *acc = buf, *scores = acc + nq * dim;
@@ -276,7 +276,7 @@ int paged_decode_attention_bf16(const uint16_t *q, int64_t q_stride,
                                 int n, int num_heads, int num_kv_heads, int head_dim,
                                 int block_size, float scale, int window, float cap,
                                 int threads) {
-    if (head_dim != 64 && head_dim != 128) return -1;
+    if (head_dim != 64 && head_dim != 128 && head_dim != 256) return -1;
     const int group = num_heads / num_kv_heads;
     const int64_t row = (int64_t)num_kv_heads * head_dim;  /* one token of one page */
     /* Work items: a request's KV heads in `split` parts. Whole requests when there are enough of
@@ -306,14 +306,17 @@ int paged_decode_attention_bf16(const uint16_t *q, int64_t q_stride,
             const int32_t *table = block_tables + (int64_t)i * table_stride;
             int len = context_lens[i];
             const int skip = window_pages(window, block_size, &table, &len);
+            const uint16_t *qi = q + i * q_stride + qoff;
+            uint16_t *oi = out + i * out_stride + qoff;
             if (head_dim == 64)
-                attend(q + i * q_stride + qoff, k_cache + kvoff, v_cache + kvoff, table, len,
-                       skip, out + i * out_stride + qoff, per, group, 64, row, block_size, scale,
-                       cap, amx, buf);
+                attend(qi, k_cache + kvoff, v_cache + kvoff, table, len, skip, oi, per, group, 64,
+                       row, block_size, scale, cap, amx, buf);
+            else if (head_dim == 128)
+                attend(qi, k_cache + kvoff, v_cache + kvoff, table, len, skip, oi, per, group, 128,
+                       row, block_size, scale, cap, amx, buf);
             else
-                attend(q + i * q_stride + qoff, k_cache + kvoff, v_cache + kvoff, table, len,
-                       skip, out + i * out_stride + qoff, per, group, 128, row, block_size, scale,
-                       cap, amx, buf);
+                attend(qi, k_cache + kvoff, v_cache + kvoff, table, len, skip, oi, per, group, 256,
+                       row, block_size, scale, cap, amx, buf);
         }
 #if AMX_SCORES
         if (amx) _tile_release();
