@@ -16,7 +16,10 @@ class StructuredOutputsParams:
     """One constraint on a request's output, as vLLM's ``StructuredOutputsParams``: a JSON
     schema, any JSON object, a regular expression, one of fixed strings, or a grammar (Lark, or
     GBNF/EBNF, told apart by its ``::=``). ``disable_any_whitespace``: JSON without free
-    whitespace between its tokens (as ``json.dumps(..., separators=(",", ":"))``)."""
+    whitespace between its tokens (as ``json.dumps(..., separators=(",", ":"))``).
+    ``after_token``: the constraint holds from the token after this one's first appearance in
+    the output (a reasoning model's ``</think>``: the answer is constrained, not the thinking,
+    as vLLM does with a reasoning parser); None: from the first token."""
 
     json: dict | str | None = None
     regex: str | None = None
@@ -24,6 +27,7 @@ class StructuredOutputsParams:
     grammar: str | None = None
     json_object: bool | None = None
     disable_any_whitespace: bool = False
+    after_token: int | None = None
 
     def __post_init__(self) -> None:
         given = self._given()

@@ -224,6 +224,17 @@ def test_tiny_checkpoints_match_transformers(tiny_paths, on_path, name, path, po
     check_model("hf", tiny_paths[name], policy)
 
 
+@pytest.mark.parametrize("name", ["gemma2", "gemma3", "qwen3", "mistral-window", "qwen2-window"])
+def test_these_families_decode_in_one_call(tiny_paths, name):
+    """The decode stack takes their q/k norms, windows, Gemma's after-norms, GeGLU and soft
+    cap, so the equivalence above covers it at every kernel tier."""
+    llm = LLM(model=tiny_paths[name], dtype="float32", num_kv_blocks=8)
+    try:
+        assert llm.engine.runner.model.decode_stack is not None
+    finally:
+        llm.engine.shutdown()
+
+
 # A llama.cpp K-quant mix: q/k and gate in Q4_K, v and down in Q6_K (so the fused q/k/v and
 # gate/up linears are runs of two types each), o in Q5_K, up in Q5_0 (read as Q8_0), the head
 # in Q6_K.

@@ -1,9 +1,12 @@
 """Reasoning models (``--reasoning-parser``): the thinking goes to ``reasoning_content``, the rest
 to ``content``, streamed or not, the same split either way; ``chat_template_kwargs`` reach the
-template. Over real HTTP through the official client, with the default model made to write a
-thought and an answer by a regex constraint."""
+template; a constraint holds from the end of the thinking. Over real HTTP through the official
+client, with the default model made to write a thought and an answer by a regex constraint
+(its vocabulary has no </think> token, so the constraint holds over the whole output)."""
 
 from __future__ import annotations
+
+import json
 
 import httpx
 import pytest
@@ -11,9 +14,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conveyor.engine.input_processor import InputProcessor
+from conveyor.llm import LLM
 from conveyor.model.loader import load_tokenizer
 from conveyor.outputs import CompletionOutput
-from conveyor.server.reasoning import PARSERS, ReasoningDeltas, split_reasoning
+from conveyor.sampling_params import SamplingParams, StructuredOutputsParams
+from conveyor.server.reasoning import (PARSERS, ReasoningDeltas, constrain_the_answer,
+                                       split_reasoning)
 from conveyor.server.streaming import TextDeltas
 
 from server_process import running_server
@@ -97,3 +103,42 @@ def test_bad_chat_template_kwargs_are_a_400_naming_them(server):
         "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
         "chat_template_kwargs": {"tokenize": True}})
     assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template_kwargs"
+
+
+def test_a_constraint_holds_from_the_end_of_the_thinking():
+    """As vLLM's: from the first </think> of the output, unless the prompt closed the thinking
+    already (Qwen3 with thinking off); over everything where </think> is no token."""
+    tokenizer = load_tokenizer(None)
+    plain = SamplingParams(structured_outputs=StructuredOutputsParams(json={"type": "object"}))
+    hi = tokenizer.encode("hi")
+    assert constrain_the_answer(plain, hi, tokenizer) is plain  # (no such token here)
+    tokenizer.add_tokens(["<think>", "</think>"], special_tokens=True)
+    think, close = tokenizer.convert_tokens_to_ids(["<think>", "</think>"])
+    for prompt, after in [(hi, close), (hi + [think], close), (hi + [think, close], None),
+                          (hi + [think, close, think], close)]:
+        got = constrain_the_answer(plain, prompt, tokenizer).structured_outputs
+        assert got.after_token == after and got.json == {"type": "object"}
+    unconstrained = SamplingParams()
+    assert constrain_the_answer(unconstrained, hi, tokenizer) is unconstrained
+
+
+def test_the_engine_constrains_from_the_token_after_after_token():
+    """The default model's greedy answer up to and including its fourth token (taken as the
+    end of a thought) is left alone; from there on the answer is JSON."""
+    llm = LLM(None, dtype="float32", max_num_seqs=2)
+    prompt = [{"role": "user", "content": "Name three colours."}]
+    ids = llm.engine.inputs.apply_chat_template(prompt)
+    free = llm.generate({"prompt_token_ids": ids}, SamplingParams(temperature=0, max_tokens=8),
+                        use_tqdm=False)[0].outputs[0].token_ids
+    end = free[3]
+    assert end not in free[:3]
+    spec = StructuredOutputsParams(json={"type": "object", "properties": {
+        "a": {"type": "integer"}}, "required": ["a"], "additionalProperties": False},
+        after_token=end)
+    out = llm.generate({"prompt_token_ids": ids},
+                       SamplingParams(temperature=0, max_tokens=40, structured_outputs=spec),
+                       use_tqdm=False)[0].outputs[0]
+    assert out.token_ids[:4] == free[:4]
+    answer = llm.engine.tokenizer.decode(out.token_ids[4:])
+    assert isinstance(json.loads(answer)["a"], int), answer
+    assert out.finish_reason == "stop"

@@ -52,8 +52,15 @@ class Request:
         self.status = RequestStatus.WAITING
         self.stop_reason: str | int | None = None
         self.metrics = RequestMetrics(arrival_time=arrival_time)
-        # structured outputs: the matcher of its constraint, advanced by each sampled token
+        # structured outputs: the matcher of its constraint, advanced by each sampled token from
+        # the one after grammar_after (while that is not None, the output is unconstrained)
         self.grammar = None
+        self.grammar_after: int | None = None
+
+    @property
+    def constrained(self) -> bool:
+        """Whether its next token is masked by its constraint."""
+        return self.grammar is not None and self.grammar_after is None
 
     @property
     def num_tokens(self) -> int:

@@ -161,6 +161,7 @@ class LLMEngine:
             request = Request(sample_id, ids, sample_params, self.eos_token_ids, arrival, priority)
             if params.structured_outputs is not None:
                 request.grammar = self.grammars.matcher(params.structured_outputs)
+                request.grammar_after = params.structured_outputs.after_token
             if state.samples and self.config.enable_prefix_caching:
                 request.waits_for_prefill_of = state.samples[0].request
             state.samples.append(_Sample(
@@ -247,7 +248,10 @@ class LLMEngine:
 
     def _advance(self, request: Request, sample: _Sample, result, now: float) -> None:
         """A sampled token's grammar, logprobs, text and stop strings."""
-        if request.grammar is not None:  # the matcher follows the tokens: one consume each
+        if request.grammar_after is not None:  # not constrained yet: is this its start?
+            if result.token_id == request.grammar_after:
+                request.grammar_after = None
+        elif request.grammar is not None:  # the matcher follows the tokens: one consume each
             consume(request.grammar, result.token_id)
             if request.grammar.is_stopped() and not request.is_finished:  # grammar complete
                 self.scheduler.finish_request(request, RequestStatus.FINISHED_STOPPED)

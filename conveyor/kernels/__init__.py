@@ -12,7 +12,7 @@ The kernels (``csrc/<tier>/<kernel>.c``, the highest tier's file of a name wins)
   gathered copy, no padding to the batch's longest context).
 - ``quant_linear``: a linear read from a GGUF's Q4_0/Q4_1/Q8_0 blocks, dequantized exactly as
   the loader does (the model dtype's weights, bit for bit), a third to a half of the bytes.
-- ``rms_norm``: residual add + RMSNorm; ``silu_mul``: SiLU(gate) * up; ``rope_kv``: rotary
+- ``rms_norm``: residual add + RMSNorm; ``glu``: act(gate) * up (SiLU or GELU); ``rope_kv``: rotary
   embedding and the K/V cache write; ``argmax``: greedy sampling's argmax; ``sample``: a draw
   under temperature, top_k, top_p and min_p without sorting the vocabulary.
 - ``decode_stack.c``: every decoder layer of a step of single-token queries in one call, made

@@ -89,12 +89,18 @@ class AddRMSNorm:
         return out
 
 
-class SiluMul:
-    """``F.silu(gate) * up`` from the fused gate/up output, written over the gate."""
+# The gated feed-forward's activations (ModelConfig.hidden_act) by their kernels' names.
+GLU_KERNELS = {"silu": "silu_mul", "gelu_pytorch_tanh": "gelu_tanh_mul"}
 
-    def __init__(self, lib: ctypes.CDLL, dtype: torch.dtype) -> None:
+
+class GatedMul:
+    """``act(gate) * up`` from the fused gate/up output, written over the gate: act is SiLU
+    (``F.silu``) or GELU's tanh approximation (``F.gelu(approximate="tanh")``)."""
+
+    def __init__(self, lib: ctypes.CDLL, dtype: torch.dtype, act: str) -> None:
         self.dtype = dtype
-        self._fn = entry(lib, "silu_mul", dtype, [p, i64, i32, i32, i32])
+        self.act = act
+        self._fn = entry(lib, GLU_KERNELS[act], dtype, [p, i64, i32, i32, i32])
 
     def __call__(self, gate_up: torch.Tensor) -> torch.Tensor:
         """gate_up: [rows, 2 * inter], each row's gate then up; overwritten. Returns the
@@ -284,13 +290,17 @@ class _Layer(ctypes.Structure):
     _fields_ = [("attention_norm", ctypes.c_void_p), ("ffn_norm", ctypes.c_void_p),
                 ("wqkv", _Matrix), ("wo", _Matrix), ("w13", _Matrix), ("w2", _Matrix),
                 ("qkv_bias", ctypes.c_void_p), ("k_cache", ctypes.c_void_p),
-                ("v_cache", ctypes.c_void_p), ("window", ctypes.c_int32)]
+                ("v_cache", ctypes.c_void_p), ("window", ctypes.c_int32),
+                ("rope", ctypes.c_int32), ("q_norm", ctypes.c_void_p),
+                ("k_norm", ctypes.c_void_p), ("post_attention_norm", ctypes.c_void_p),
+                ("post_ffn_norm", ctypes.c_void_p)]
 
 
 class _Shape(ctypes.Structure):
     _fields_ = [(name, ctypes.c_int) for name in ("hidden", "heads", "kv_heads", "dim",
                                                     "intermediate", "block_size")] + [
-        ("eps", ctypes.c_float), ("scale", ctypes.c_float)]
+        ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("softcap", ctypes.c_float),
+        ("gelu", ctypes.c_int)]
 
 
 @dataclass
@@ -307,6 +317,11 @@ class StackLayer:
     k_cache: torch.Tensor         # [blocks, block_size, kv_heads, head_dim], contiguous
     v_cache: torch.Tensor
     window: int | None = None     # its sliding window, if it has one
+    rope: int = 0                 # its rope table (ModelConfig.rope_index)
+    q_norm: torch.Tensor | None = None  # [head_dim]: per-head norms of q and k (Qwen3, Gemma 3)
+    k_norm: torch.Tensor | None = None
+    post_attention_norm: torch.Tensor | None = None  # [hidden]: Gemma's after-norms
+    post_ffn_norm: torch.Tensor | None = None
 
 
 class DecodeStack:
@@ -315,7 +330,8 @@ class DecodeStack:
 
     def __init__(self, lib: ctypes.CDLL, dtype: torch.dtype, layers: list[StackLayer], *,
                  max_rows: int, heads: int, kv_heads: int, head_dim: int, intermediate: int,
-                 eps: float) -> None:
+                 eps: float, scale: float | None = None, softcap: float | None = None,
+                 act: str = "silu") -> None:
         self.dtype = dtype
         self.max_rows = max_rows
         self._fn = entry(lib, "decode_stack", dtype,
@@ -330,40 +346,53 @@ class DecodeStack:
                 _Run(w.blocks.data_ptr(), w.blocks.stride(0), w.ggml_type, w.blocks.shape[0])
                 for w in runs]), len(runs))
 
+        def ptr(t: torch.Tensor | None) -> int | None:
+            return None if t is None else t.data_ptr()
+
         for layer in layers:
-            for t in (layer.attention_norm, layer.ffn_norm, layer.k_cache, layer.v_cache):
-                assert t.dtype == dtype and t.is_contiguous()
+            for t in (layer.attention_norm, layer.ffn_norm, layer.k_cache, layer.v_cache,
+                      layer.q_norm, layer.k_norm, layer.post_attention_norm, layer.post_ffn_norm):
+                assert t is None or t.dtype == dtype and t.is_contiguous()
+            assert (layer.q_norm is None) == (layer.k_norm is None)
         self._layers = (_Layer * len(layers))(*[_Layer(
             l.attention_norm.data_ptr(), l.ffn_norm.data_ptr(), matrix(l.wqkv), matrix(l.wo),
-            matrix(l.w13), matrix(l.w2), None if l.qkv_bias is None else l.qkv_bias.data_ptr(),
-            l.k_cache.data_ptr(), l.v_cache.data_ptr(), l.window or 0) for l in layers])
+            matrix(l.w13), matrix(l.w2), ptr(l.qkv_bias), l.k_cache.data_ptr(),
+            l.v_cache.data_ptr(), l.window or 0, l.rope, ptr(l.q_norm), ptr(l.k_norm),
+            ptr(l.post_attention_norm), ptr(l.post_ffn_norm)) for l in layers])
+        self.ropes = 1 + max(layer.rope for layer in layers)
         self._keep = layers  # the pointers above are into these tensors
         self.hidden = layers[0].attention_norm.shape[0]
         self._shape = _Shape(self.hidden, heads, kv_heads, head_dim, intermediate,
-                             layers[0].k_cache.shape[1], eps, head_dim ** -0.5)
+                             layers[0].k_cache.shape[1], eps,
+                             head_dim ** -0.5 if scale is None else scale, softcap or 0.0,
+                             int(act == "gelu_pytorch_tanh"))
         # a row's activations between the kernels (decode_stack.c); kept across steps, grown
         # as rows grow
         self._row_width = (2 * self.hidden + (2 * heads + 2 * kv_heads) * head_dim
                            + 2 * intermediate)
         self._scratch = torch.empty(0, dtype=dtype)
 
-    def __call__(self, h: torch.Tensor, residual: torch.Tensor, cos: torch.Tensor,
-                 sin: torch.Tensor, slots: torch.Tensor, block_tables: torch.Tensor,
-                 context_lens: torch.Tensor) -> None:
+    def __call__(self, h: torch.Tensor, residual: torch.Tensor,
+                 ropes: list[tuple[torch.Tensor, torch.Tensor]], slots: torch.Tensor,
+                 block_tables: torch.Tensor, context_lens: torch.Tensor) -> None:
         """h: [rows, hidden] embeddings in, last layer's output out; residual: [rows, hidden]
-        set to the stream before it; cos/sin: [rows, 1, head_dim]; slots: [rows] int64;
-        block_tables: [rows, W], context_lens: [rows], int32."""
+        set to the stream before it; ropes: each table's cos/sin, [rows, 1, head_dim]; slots:
+        [rows] int64; block_tables: [rows, W], context_lens: [rows], int32."""
         rows = h.shape[0]
         assert 1 <= rows <= self.max_rows and h.shape == residual.shape == (rows, self.hidden)
-        assert h.dtype == residual.dtype == cos.dtype == sin.dtype == self.dtype
-        assert h.is_contiguous() and residual.is_contiguous() and cos.is_contiguous()
-        assert sin.is_contiguous() and slots.dtype == torch.int64 and slots.is_contiguous()
+        assert h.dtype == residual.dtype == self.dtype and len(ropes) >= self.ropes
+        for t in (t for rope in ropes for t in rope):
+            assert t.dtype == self.dtype and t.is_contiguous()
+        assert h.is_contiguous() and residual.is_contiguous()
+        assert slots.dtype == torch.int64 and slots.is_contiguous()
         assert block_tables.dtype == context_lens.dtype == torch.int32
         assert block_tables.stride(1) == 1 and context_lens.is_contiguous()
         if self._scratch.numel() < rows * self._row_width:
             self._scratch = torch.empty(rows * self._row_width, dtype=self.dtype)
+        cos = (ctypes.c_void_p * 2)(*[c.data_ptr() for c, _ in ropes[:2]])
+        sin = (ctypes.c_void_p * 2)(*[s.data_ptr() for _, s in ropes[:2]])
         rc = self._fn(self._layers, len(self._keep), ctypes.byref(self._shape), h.data_ptr(),
-                      residual.data_ptr(), rows, cos.data_ptr(), sin.data_ptr(),
+                      residual.data_ptr(), rows, cos, sin,
                       slots.data_ptr(), block_tables.data_ptr(), block_tables.stride(0),
                       context_lens.data_ptr(), self._scratch.data_ptr(), torch.get_num_threads())
         if rc != 0:

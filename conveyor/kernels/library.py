@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import torch
 
 from conveyor.kernels import build, isa
-from conveyor.kernels.bindings import (AddRMSNorm, ArgmaxRows, DecodeKernel, DecodeStack,
-                                       DequantRows, QuantLinear, RopeKVWrite, SampleRows, SiluMul,
+from conveyor.kernels.bindings import (GLU_KERNELS, AddRMSNorm, ArgmaxRows, DecodeKernel, DecodeStack,
+                                       DequantRows, QuantLinear, RopeKVWrite, SampleRows, GatedMul,
                                        StackLayer, has_entry)
 
 logger = logging.getLogger("conveyor")
@@ -30,7 +30,7 @@ class CPUKernels:
     dtype: torch.dtype
     decode_attention: DecodeKernel
     add_rms_norm: AddRMSNorm
-    silu_mul: SiluMul
+    gated_mul: dict[str, GatedMul]  # by activation (GLU_KERNELS)
     rope_kv_write: RopeKVWrite
     quant_linear: QuantLinear
     argmax_rows: ArgmaxRows
@@ -88,7 +88,8 @@ def kernels_at(tier: str, dtype: torch.dtype, head_dim: int) -> CPUKernels | Non
     if lib is None or not has_entry(lib, "quant_linear", dtype):
         return None
     return CPUKernels(tier, dtype, DecodeKernel(lib, dtype), AddRMSNorm(lib, dtype),
-                      SiluMul(lib, dtype), RopeKVWrite(lib, dtype), QuantLinear(lib, dtype),
+                      {act: GatedMul(lib, dtype, act) for act in GLU_KERNELS},
+                      RopeKVWrite(lib, dtype), QuantLinear(lib, dtype),
                       ArgmaxRows(lib), SampleRows(lib), DequantRows(lib, dtype), lib)
 
 

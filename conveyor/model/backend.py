@@ -132,33 +132,39 @@ def _use_all_reduce(model: Transformer, all_reduce: Callable[[torch.Tensor], Non
         layer.all_reduce = all_reduce
 
 def _use_elementwise_kernels(model: Transformer, kernels: CPUKernels) -> None:
-    """Run the residual-stream norms (not the per-head q/k norms) and SiLU(gate) * up with
-    the CPU kernels."""
+    """Run the residual-stream norms (not the per-head q/k norms) and act(gate) * up with the
+    CPU kernels."""
     for layer in model.layers:
         for norm in layer.children():
             if isinstance(norm, RMSNorm):
                 norm.fused = kernels.add_rms_norm
-        if layer.feed_forward.act == "silu":
-            layer.feed_forward.silu_mul = kernels.silu_mul
+        layer.feed_forward.gated_mul = kernels.gated_mul[layer.feed_forward.act]
     model.norm.fused = kernels.add_rms_norm
 
 def _use_decode_stack(model: Transformer, kernels: CPUKernels,
                       kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
     """Run a step of a few decodes through all layers in one kernel call, when every layer
-    is what that kernel computes: Llama's (not a family's own network), no q/k norms, whole
-    heads rotated, every linear in GGUF blocks, no output bias (sliding windows it takes)."""
+    is what that kernel computes: whole heads rotated, every linear in GGUF blocks, no output
+    bias (q/k norms, windows, Gemma's after-norms, GeGLU and soft cap it takes)."""
     linears = [m for layer in model.layers for m in layer.modules() if isinstance(m, Linear)]
-    if (type(model) is not Transformer or model.config.qk_norm
-            or model.config.rotary_dim is not None
-            or any(m.quantized is None for m in linears)
+    if (model.config.rotary_dim is not None or any(m.quantized is None for m in linears)
             or any(layer.attention.wo.bias is not None for layer in model.layers)):
         return
     c = model.config
+
+    def weight(norm: RMSNorm | None) -> torch.Tensor | None:
+        return None if norm is None else norm.weight
+
     model.decode_stack = kernels.decode_stack(
         [StackLayer(layer.attention_norm.weight, layer.ffn_norm.weight,
                     layer.attention.wqkv.quantized, layer.attention.wo.quantized,
                     layer.feed_forward.w13.quantized, layer.feed_forward.w2.quantized,
-                    layer.attention.wqkv.bias, *kv_cache, layer.attention.scores.window)
+                    layer.attention.wqkv.bias, *kv_cache, layer.attention.scores.window,
+                    layer.attention.rope, weight(layer.attention.q_norm),
+                    weight(layer.attention.k_norm),
+                    weight(getattr(layer, "post_attention_norm", None)),
+                    weight(getattr(layer, "post_ffn_norm", None)))
          for layer, kv_cache in zip(model.layers, kv_caches)],
         heads=c.num_heads, kv_heads=c.num_kv_heads, head_dim=c.head_dim,
-        intermediate=c.intermediate_size, eps=c.rms_norm_eps)
+        intermediate=c.intermediate_size, eps=c.rms_norm_eps, scale=c.attention_scale,
+        softcap=c.attn_softcap, act=c.hidden_act)

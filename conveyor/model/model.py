@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from conveyor.kernels.bindings import AddRMSNorm, DecodeStack, DequantRows, QuantLinear, SiluMul
+from conveyor.kernels.bindings import AddRMSNorm, DecodeStack, DequantRows, GatedMul, QuantLinear
 from conveyor.kernels.blocks import QuantizedWeight
 from conveyor.model.attention import AttentionMetadata, Scores, paged_attention, write_kv
 from conveyor.model.config import ModelConfig
@@ -126,7 +126,7 @@ class Attention(nn.Module):
 class FeedForward(nn.Module):
     """act(gate) * up, then down: SwiGLU (SiLU) or Gemma's GeGLU (tanh-approximated GELU)."""
 
-    silu_mul: SiluMul | None = None  # the CPU kernel of SwiGLU's gate, when attached
+    gated_mul: GatedMul | None = None  # the CPU kernel of act(gate) * up, when attached
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -136,8 +136,8 @@ class FeedForward(nn.Module):
         self.w2 = Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.silu_mul is not None:
-            return self.w2(self.silu_mul(self.w13(x)))
+        if self.gated_mul is not None:
+            return self.w2(self.gated_mul(self.w13(x)))
         gate, up = self.w13(x).split(self.intermediate, dim=-1)
         gate = F.silu(gate) if self.act == "silu" else F.gelu(gate, approximate="tanh")
         return self.w2(gate * up)
@@ -214,8 +214,7 @@ class Transformer(nn.Module):
                 and len(input_ids) <= self.decode_stack.max_rows):
             residual = torch.empty_like(h)
             (group,) = meta.decodes
-            (cos, sin), = ropes
-            self.decode_stack(h, residual, cos, sin, meta.slot_mapping, group.block_tables,
+            self.decode_stack(h, residual, ropes, meta.slot_mapping, group.block_tables,
                               group.context_lens)
             return self.norm(h, residual)[0]
         for layer, kv_cache in zip(self.layers, kv_caches):

@@ -24,7 +24,7 @@ from conveyor.server.protocol import (
     TopLogprob,
     UsageInfo,
 )
-from conveyor.server.reasoning import ReasoningDeltas, split_reasoning
+from conveyor.server.reasoning import ReasoningDeltas, constrain_the_answer, split_reasoning
 from conveyor.server.state import ServerState, collect, engine_failure
 from conveyor.server.streaming import SSE_DONE, TextDeltas, sse
 from conveyor.server.tools import (
@@ -75,6 +75,8 @@ async def create_chat_completion(body: ChatCompletionRequest, raw: Request,
         limit_param = "messages"
     top = (body.top_logprobs or 0) if body.logprobs else None
     params = await state.sampling_params(body, max_tokens, top, tool_constraint(body, mode))
+    if state.reasoning_parser:
+        params = constrain_the_answer(params, ids, state.engine.tokenizer)
     _, ids = state.check_prompt({"prompt_token_ids": ids}, params, "messages", limit_param)
     request_id, submission = state.submit("chatcmpl", [ids], params, body.priority,
                                            body.timeout)

@@ -21,6 +21,7 @@ from conveyor.server.app import build_app
 from conveyor.server.config import ServerConfig
 from conveyor.server.engine_thread import EngineThread
 from conveyor.server.metrics import ServerMetrics
+from conveyor.server.reasoning import CLOSE
 from conveyor.server.state import ServerState
 
 GRACEFUL_SHUTDOWN_S = 30
@@ -82,6 +83,10 @@ def run_server(config: EngineConfig, settings: ServerConfig) -> None:
     names = settings.served_model_name or [engine.model_name]
     state = ServerState(engine, engine_thread, ServerMetrics(names[0]), names,
                         settings.request_timeout, settings.reasoning_parser)
+    if settings.reasoning_parser and CLOSE not in engine.tokenizer.get_vocab():
+        logger.warning("--reasoning-parser %s: %s is no token of this model's vocabulary, so "
+                       "a constraint holds over the whole output, thinking included",
+                       settings.reasoning_parser, CLOSE)
     app = build_app(state, f"{_ready_message(state, settings)}; "
                            f"{_access_message(settings, api_key, dashboard_open)}",
                     api_key, dashboard_open, settings.max_body_bytes or DEFAULT_MAX_BODY_BYTES)

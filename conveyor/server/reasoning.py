@@ -10,7 +10,10 @@ reasoning. Streamed or not, the split is the same.
 
 from __future__ import annotations
 
+import dataclasses
+
 from conveyor.outputs import CompletionOutput
+from conveyor.sampling_params import SamplingParams
 from conveyor.server.streaming import TextDeltas
 
 PARSERS = ("qwen3", "deepseek_r1")
@@ -25,6 +28,25 @@ def split_reasoning(text: str, parser: str) -> tuple[str | None, str | None]:
         return None, text
     reasoning, closed, content = text.partition(CLOSE)
     return reasoning, (content if closed else None)
+
+
+def constrain_the_answer(params: SamplingParams, prompt_ids: list[int], tokenizer
+                         ) -> SamplingParams:
+    """A constraint (a response format, tool calls) holds from the end of the thinking on, as
+    vLLM's: from the first ``</think>`` the output brings, unless the prompt has already closed
+    the thinking (its last tag is ``</think>``: Qwen3 with thinking off), where it holds from
+    the first token; and over the whole output where ``</think>`` is no token of the model's
+    vocabulary (a model that does not think in these tags; the server logs it at start)."""
+    spec = params.structured_outputs
+    vocab = tokenizer.get_vocab()
+    if spec is None or CLOSE not in vocab:
+        return params
+    close, opened = vocab[CLOSE], vocab.get(OPEN)
+    tags = [i for i, t in enumerate(prompt_ids) if t in (close, opened)]
+    if tags and prompt_ids[tags[-1]] == close:
+        return params
+    return dataclasses.replace(
+        params, structured_outputs=dataclasses.replace(spec, after_token=close))
 
 
 def _partial_tag_at_end(text: str) -> int:

@@ -200,7 +200,7 @@ class ModelRunner:
     def _start_grammar_mask(self, sampling: list[Request]
                             ) -> tuple[list[int], torch.Tensor, Future] | None:
         """Start filling the constrained rows' bitmask; it runs while the model does."""
-        rows = [i for i, r in enumerate(sampling) if r.grammar is not None]
+        rows = [i for i, r in enumerate(sampling) if r.constrained]
         if not rows:
             return None
         bitmask = torch.empty(len(rows), bitmask_width(self.config.vocab_size),

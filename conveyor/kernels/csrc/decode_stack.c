@@ -3,9 +3,11 @@
  * With one to a few dozen single-token queries the work of a layer is small and the ~20 PyTorch
  * calls that make it up (each with its Python and dispatch cost) are a large share of the step.
  * This runs the same layer, in the same order and with the same roundings, as
- * model.TransformerBlock on the CPU kernel path: the fused add + RMSNorm, the GGUF-block
- * linears, the fused rope + KV write, the paged decode attention and SiLU(gate) * up are the
- * kernels that path calls one by one. The same at every tier; the kernels are the tier's.
+ * model.TransformerBlock (and gemma.GemmaBlock) on the CPU kernel path: the fused add + RMSNorm,
+ * the GGUF-block linears, the per-head q/k norms (Qwen3, Gemma 3), the fused rope + KV write,
+ * the paged decode attention (its window, scale and soft cap), Gemma's norms after attention
+ * and feed-forward, and act(gate) * up are the kernels that path calls one by one. The same at
+ * every tier; the kernels are the tier's.
  */
 #include <stdint.h>
 #include <string.h>
@@ -19,6 +21,7 @@ int quant_linear_##T(const void *x, int64_t x_stride, const uint8_t *w, int64_t 
 void add_rms_norm_##T(const void *x, int64_t x_stride, void *residual, const void *weight, \
                       void *out, int64_t out_stride, int rows, int dim, float eps, int threads); \
 void silu_mul_##T(void *gu, int64_t stride, int rows, int inter, int threads); \
+void gelu_tanh_mul_##T(void *gu, int64_t stride, int rows, int inter, int threads); \
 void rope_kv_write_##T(void *qk, int64_t qk_stride, const void *v, int64_t v_stride, \
                        const void *cos, const void *sin, int64_t cs_stride, \
                        const int64_t *slots, void *k_cache, void *v_cache, int tokens, \
@@ -59,11 +62,15 @@ typedef struct {
     const void *qkv_bias;                   /* [qkv] or NULL */
     void *k_cache, *v_cache;                /* [blocks, block_size, kv_heads, dim] */
     int32_t window;                         /* its sliding window's tokens; 0: none */
+    int32_t rope;                           /* its rope table: 0, or 1 (the local one) */
+    const void *q_norm, *k_norm;            /* [dim] or NULL */
+    const void *post_attention_norm, *post_ffn_norm;  /* [hidden] or NULL */
 } Layer;
 
 typedef struct {
     int hidden, heads, kv_heads, dim, intermediate, block_size;
-    float eps, scale;
+    float eps, scale, softcap;              /* softcap: the scores'; 0: none */
+    int gelu;                               /* the gate's activation: 0 SiLU, 1 GELU (tanh) */
 } Shape;
 
 /* y = x m^T (+ bias): each run's block linear into its columns of y. */
@@ -82,14 +89,16 @@ static ALWAYS_INLINE int matrix_linear(const void *x, int64_t x_stride, const Ma
 }
 
 /* h: [rows, hidden], the embeddings in, the last layer's output out; residual: [rows, hidden],
- * the stream before that output (as TransformerBlock returns them). cos, sin: [rows, dim];
+ * the stream before that output (as TransformerBlock returns them). cos, sin: [2][rows, dim]
+ * (the local table NULL where no layer reads it);
  * slots: [rows]; block_tables: [rows, table_stride]; context_lens: [rows]; scratch: rows x
  * (2 hidden + q + 2 kv + q + 2 intermediate) elements (the caller keeps it: a fresh one a
  * step of 2048 rows is 47 MB of pages to fault in). Returns 0, or the first failing kernel's
  * code. */
 static ALWAYS_INLINE int decode_stack(const Layer *layers, int num_layers, const Shape *s,
-                                      void *h, void *residual, int rows, const void *cos,
-                                      const void *sin, const int64_t *slots,
+                                      void *h, void *residual, int rows,
+                                      const void *const *cos, const void *const *sin,
+                                      const int64_t *slots,
                                       const int32_t *block_tables, int64_t table_stride,
                                       const int32_t *context_lens, void *scratch, int threads,
                                       int bf16) {
@@ -107,26 +116,45 @@ static ALWAYS_INLINE int decode_stack(const Layer *layers, int num_layers, const
                  hid, s->eps, threads);
         rc = matrix_linear(x, hid, &l->wqkv, l->qkv_bias, t_qkv, qkv, rows, hid, threads, bf16);
         if (rc) break;
-        BY_DTYPE(rope_kv_write, t_qkv, qkv, t_qkv + elem * (q + kv), qkv, cos, sin, s->dim,
-                 slots, l->k_cache, l->v_cache, rows, s->heads, s->kv_heads, s->dim, threads);
+        if (l->q_norm != NULL)  /* each head of q, then of k, normalised in place */
+            for (int r = 0; r < rows; r++) {
+                char *row = t_qkv + elem * r * qkv;
+                BY_DTYPE(add_rms_norm, row, s->dim, NULL, l->q_norm, row, s->dim, s->heads,
+                         s->dim, s->eps, 1);
+                BY_DTYPE(add_rms_norm, row + elem * q, s->dim, NULL, l->k_norm, row + elem * q,
+                         s->dim, s->kv_heads, s->dim, s->eps, 1);
+            }
+        BY_DTYPE(rope_kv_write, t_qkv, qkv, t_qkv + elem * (q + kv), qkv, cos[l->rope],
+                 sin[l->rope], s->dim, slots, l->k_cache, l->v_cache, rows, s->heads,
+                 s->kv_heads, s->dim, threads);
         rc = BY_DTYPE(paged_decode_attention, t_qkv, qkv, l->k_cache, l->v_cache, block_tables,
                       table_stride, context_lens, o, q, rows, s->heads, s->kv_heads, s->dim,
-                      s->block_size, s->scale, l->window, 0.0f, threads);
+                      s->block_size, s->scale, l->window, s->softcap, threads);
         if (rc) break;
         rc = matrix_linear(o, q, &l->wo, NULL, a, hid, rows, q, threads, bf16);
         if (rc) break;
+        if (l->post_attention_norm != NULL)
+            BY_DTYPE(add_rms_norm, a, hid, NULL, l->post_attention_norm, a, hid, rows, hid,
+                     s->eps, threads);
         BY_DTYPE(add_rms_norm, a, hid, residual, l->ffn_norm, x, hid, rows, hid, s->eps, threads);
         rc = matrix_linear(x, hid, &l->w13, NULL, gu, 2 * inter, rows, hid, threads, bf16);
         if (rc) break;
-        BY_DTYPE(silu_mul, gu, 2 * inter, rows, inter, threads);
+        if (s->gelu)
+            BY_DTYPE(gelu_tanh_mul, gu, 2 * inter, rows, inter, threads);
+        else
+            BY_DTYPE(silu_mul, gu, 2 * inter, rows, inter, threads);
         rc = matrix_linear(gu, 2 * inter, &l->w2, NULL, h, hid, rows, inter, threads, bf16);
+        if (rc) break;
+        if (l->post_ffn_norm != NULL)
+            BY_DTYPE(add_rms_norm, h, hid, NULL, l->post_ffn_norm, h, hid, rows, hid, s->eps,
+                     threads);
     }
     return rc;
 }
 
 #define ENTRY(T, BF16) \
 int decode_stack_##T(const Layer *layers, int num_layers, const Shape *s, void *h, \
-                     void *residual, int rows, const void *cos, const void *sin, \
+                     void *residual, int rows, const void *const *cos, const void *const *sin, \
                      const int64_t *slots, const int32_t *block_tables, int64_t table_stride, \
                      const int32_t *context_lens, void *scratch, int threads) { \
     return decode_stack(layers, num_layers, s, h, residual, rows, cos, sin, slots, block_tables, \
