@@ -14,9 +14,9 @@ from dataclasses import dataclass
 import torch
 
 from conveyor.kernels import build, isa
-from conveyor.kernels.bindings import (GLU_KERNELS, AddRMSNorm, ArgmaxRows, DecodeKernel, DecodeStack,
-                                       DequantRows, QuantLinear, RopeKVWrite, SampleRows, GatedMul,
-                                       StackLayer, has_entry)
+from conveyor.kernels.bindings import (GLU_KERNELS, AddRMSNorm, ArgmaxRows, DecodeKernel,
+                                       DecodeStack, DequantRows, GatedMul, QuantLinear,
+                                       RopeKVWrite, SampleRows, StackLayer, has_entry)
 
 logger = logging.getLogger("conveyor")
 
