@@ -202,6 +202,7 @@ TINY = {
                               "max_window_layers": 1}),
     "gemma2": ("gemma2", {"sliding_window": 24}),
     "gemma3": ("gemma3", {"sliding_window": 24}),
+    "gemma3-bf16": ("gemma3", {"sliding_window": 24, "dtype": torch.bfloat16}),  # 1 + w of it
 }
 
 
