@@ -82,7 +82,10 @@ def _serve(args: argparse.Namespace) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from conveyor import __version__
+
     parser = argparse.ArgumentParser(prog="conveyor")
+    parser.add_argument("--version", action="version", version=f"conveyor {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="generate text for prompts, offline")
     add_arguments(gen.add_argument_group("engine"), EngineConfig)
@@ -99,6 +102,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_arguments(env, EngineConfig, only=("dtype", "device"))
     env.set_defaults(handler=_env)
     srv = sub.add_parser("serve", help="serve the OpenAI API over HTTP")
+    srv.add_argument("model_tag", nargs="?", metavar="MODEL",
+                     help="a .gguf file or a Hugging Face folder, as --model")
     add_arguments(srv.add_argument_group("engine"), EngineConfig)
     add_arguments(srv.add_argument_group("server"), ServerConfig)
     srv.set_defaults(handler=_serve)
@@ -106,9 +111,27 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _subcommand(parser: argparse.ArgumentParser,
+                args: argparse.Namespace) -> argparse.ArgumentParser:
+    """The parser of the subcommand ``args`` were parsed for (``bench serve``'s, say)."""
+    while True:
+        nested = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+        if not nested or getattr(args, nested[0].dest, None) is None:
+            return parser
+        parser = nested[0].choices[getattr(args, nested[0].dest)]
+
+
 def main(argv: list[str] | None = None) -> None:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # under the (innermost) subcommand's usage, not the top level's
+        _subcommand(parser, args).error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
+        if getattr(args, "model_tag", None) is not None:  # vLLM's `serve MODEL`
+            if args.model is not None and args.model != args.model_tag:
+                raise ValueError(f"the model is given twice: {args.model_tag} and --model "
+                                 f"{args.model}")
+            args.model = args.model_tag
         if args.handler in (_generate, _serve) and _torchrun_worker(args):
             return
         args.handler(args)

@@ -84,6 +84,9 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     structured_outputs: StructuredOutputsParams | None = None
+    # token id -> a value added to its logit before any other rule (OpenAI's logit_bias:
+    # -100 bans the token, +100 all but forces it)
+    logit_bias: dict[int, float] | None = None
     stop_strings: list[str] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -120,6 +123,11 @@ class SamplingParams:
         check(self.structured_outputs is None
               or isinstance(self.structured_outputs, StructuredOutputsParams),
               "structured_outputs", "must be None or a StructuredOutputsParams")
+        check(self.logit_bias is None or all(
+            isinstance(t, int) and not isinstance(t, bool) and t >= 0
+            and isinstance(b, (int, float)) and -100 <= b <= 100
+            for t, b in self.logit_bias.items()), "logit_bias",
+            "must map token ids to values in [-100, 100]")
 
     @property
     def greedy(self) -> bool:

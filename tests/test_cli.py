@@ -61,3 +61,37 @@ def test_without_a_working_compiler_the_pytorch_path_runs(tmp_path):
     assert "[4 tokens, finish: length]" in res.stdout
     warnings = [line for line in res.stderr.splitlines() if "CPU kernels" in line]
     assert len(warnings) == 1 and "running plain PyTorch" in warnings[0]
+
+
+def test_version_and_errors_under_the_subcommand():
+    version = run("--version")
+    assert version.returncode == 0 and version.stdout.startswith("conveyor ")
+    unknown = run("serve", "--no-such-flag")
+    assert unknown.returncode == 2 and "unrecognized arguments: --no-such-flag" in unknown.stderr
+    assert "usage: conveyor serve" in unknown.stderr
+    nested = run("bench", "serve", "--no-such-flag")
+    assert nested.returncode == 2 and "usage: conveyor bench serve" in nested.stderr
+
+
+def test_serve_takes_the_model_as_its_first_argument(tmp_path):
+    """As vLLM's `serve MODEL`; the flag stays, and the two may not disagree."""
+    from conveyor.cli import build_parser
+
+    args = build_parser().parse_args(["serve", "some.gguf", "--port", "9"])
+    assert args.model_tag == "some.gguf" and args.model is None
+    twice = run("serve", str(tmp_path / "a.gguf"), "--model", str(tmp_path / "b.gguf"))
+    assert twice.returncode == 2 and "the model is given twice" in twice.stderr
+    missing = run("serve", str(tmp_path / "missing.gguf"))
+    assert missing.returncode == 2 and "missing.gguf" in missing.stderr.splitlines()[-1]
+
+
+def test_bench_without_a_server_is_one_line(tmp_path):
+    """No server (or a --base-url with the client's /v1, accepted): one line, exit 2."""
+    from conveyor.bench.serve import server_url
+
+    assert server_url("http://h:1/v1/") == server_url("http://h:1/") == "http://h:1"
+    res = run("bench", "serve", "--base-url", "http://127.0.0.1:9/v1", "--num-prompts", "1")
+    lines = res.stderr.strip().splitlines()
+    assert res.returncode == 2 and len(lines) == 1, res.stderr
+    assert lines[0].startswith("conveyor: error: no OpenAI-compatible server answers at "
+                               "http://127.0.0.1:9/v1/models")

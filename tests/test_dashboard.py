@@ -52,12 +52,12 @@ def screenshot_dir(tmp_path: Path) -> Path:
     return folder
 
 
-def start_burst(base_url: str, max_tokens: list[int], failures: list[str], stagger: float
-                ) -> list[threading.Thread]:
+def start_burst(base_url: str, max_tokens: list[int], failures: list[str], stagger: float,
+                headers: dict | None = None) -> list[threading.Thread]:
     """One thread per request, ``stagger`` seconds apart, so they queue and board the batch
     step by step."""
     def send(i: int, n: int) -> None:
-        r = httpx.post(f"{base_url}/v1/completions", timeout=600, json={
+        r = httpx.post(f"{base_url}/v1/completions", timeout=600, headers=headers, json={
             "prompt": f"Request {i}: tell a story about trains", "max_tokens": n,
             "temperature": 0.0, "ignore_eos": True})
         if r.status_code != 200 or r.json()["usage"]["completion_tokens"] != n:
@@ -91,11 +91,11 @@ def metrics(server: ServerProcess) -> dict[str, float]:
     return out
 
 
-def open_dashboard(browser, server: ServerProcess) -> Page:
+def open_dashboard(browser, server: ServerProcess, fragment: str = "") -> Page:
     page = browser.new_page(viewport={"width": 1400, "height": 1000})
     errors: list[str] = []
     page.on("pageerror", lambda e: errors.append(str(e)))
-    page.goto(f"{server.base_url}/dashboard")
+    page.goto(f"{server.base_url}/dashboard{fragment}")
     page.wait_for_function("window.conveyorDashboard && window.conveyorDashboard.updates >= 1")
     page.errors = errors  # checked at the end of each test
     return page
@@ -138,6 +138,28 @@ def run_burst_and_check(browser, server: ServerProcess, max_tokens: list[int],
 
 def server_max_seqs(page: Page) -> int:
     return page.evaluate("window.conveyorDashboard.settings.max_num_seqs")
+
+
+def test_dashboard_under_an_api_key_opens_with_the_key_in_its_address(browser):
+    """The README's /dashboard#key=KEY: the browser loads the page and its scripts without the
+    key (it cannot send one with a page load), and the page sends it with each feed request."""
+    key = "dashboard-test-key"
+    server = ServerProcess("--max-num-seqs", "4", env={"CONVEYOR_API_KEY": key})
+    try:
+        server.wait_ready()
+        failures: list[str] = []
+        threads = start_burst(server.base_url, [8, 8, 8], failures, 0.0,
+                              {"Authorization": f"Bearer {key}"})
+        page = open_dashboard(browser, server, f"#key={key}")
+        for t in threads:
+            t.join()
+        assert failures == []
+        wait_for_updates(page, 2)
+        assert shown(page)["request_success_total"] >= 3
+        assert page.errors == []
+        page.close()
+    finally:
+        server.terminate()
 
 
 def test_dashboard_follows_a_continuous_burst(browser, screenshot_dir):

@@ -134,6 +134,21 @@ def test_penalties_push_away_from_seen_tokens(make):
     assert sampler(logits, [req(outputs=[7], temperature=0, presence_penalty=0.6)])[0].token_id == 8
 
 
+def test_logit_bias_is_added_per_row_before_the_draw(make):
+    """OpenAI's logit_bias: -100 bans a token, +100 all but forces one, in a batch whose other
+    rows have none; greedy and sampled alike."""
+    logits = torch.zeros(3, V)
+    logits[:, 7] = 5.0
+    sampler = make(V, 0)
+    rows = [req("ban", temperature=0, logit_bias={7: -100.0, 8: 1.0}),
+            req("plain", temperature=0),
+            req("force", temperature=1.0, logit_bias={11: 100.0})]
+    assert [r.token_id for r in sampler(logits, rows)] == [8, 7, 11]
+    assert torch.equal(logits[:, 7], torch.full((3,), 5.0))  # the caller's logits untouched
+    with pytest.raises(ValueError, match="logit_bias"):
+        SamplingParams(logit_bias={7: 101.0})
+
+
 def test_min_tokens_masks_eos_and_stop_ids(make):
     logits = torch.zeros(1, V)
     logits[0, EOS] = 5.0

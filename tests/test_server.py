@@ -61,6 +61,78 @@ def test_health_version_models_openapi(server, model):
     assert fields["temperature"]["minimum"] == 0 and fields["top_p"]["maximum"] == 1
 
 
+def test_one_model_and_the_tokenizer_routes(server, client, model, tokenizer):
+    """The client's models.retrieve, and vLLM's /tokenize and /detokenize shapes."""
+    card = client.models.retrieve(model)
+    assert card.id == model and card.object == "model"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("no-such-model")
+    url = server.base_url
+    ids = tokenizer.encode(PROMPT)
+    got = httpx.post(f"{url}/tokenize", json={"model": model, "prompt": PROMPT,
+                                              "return_token_strs": True}).json()
+    assert got["tokens"] == ids and got["count"] == len(ids) and got["max_model_len"] == 1024
+    assert got["token_strs"] == tokenizer.convert_ids_to_tokens(ids)
+    chat = httpx.post(f"{url}/tokenize", json={"messages": MESSAGES}).json()
+    assert chat["count"] == chat_prompt_len(tokenizer, MESSAGES)
+    assert httpx.post(f"{url}/detokenize", json={"tokens": ids}).json() == {
+        "prompt": tokenizer.decode(ids)}
+    bad = httpx.post(f"{url}/detokenize", json={"tokens": [10**9]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
+    neither = httpx.post(f"{url}/tokenize", json={"model": model})
+    assert neither.status_code == 400
+
+
+def test_logit_bias_changes_the_greedy_token(server, client, model, tokenizer):
+    """The issue's case: -100 on the token the reply starts with bans it, +100 on another
+    makes it the reply's first; a bias out of range or of no token is a 400 naming it."""
+    def first(**kw) -> str:
+        return client.completions.create(model=model, prompt=PROMPT, max_tokens=1,
+                                          temperature=0, **kw).choices[0].text
+    plain = first()
+    (token,) = tokenizer.encode(plain, add_special_tokens=False)
+    assert first(logit_bias={str(token): -100}) != plain
+    other = tokenizer.encode(" banana", add_special_tokens=False)[0]
+    assert first(logit_bias={str(other): 100}) == tokenizer.decode([other])
+    for bias in ({str(token): 101}, {"1000000": 1}, {"x": 1}):
+        r = httpx.post(f"{server.base_url}/v1/completions", timeout=60, json={
+            "prompt": PROMPT, "max_tokens": 1, "logit_bias": bias})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "logit_bias", r.text
+
+
+@pytest.mark.parametrize("route,field,value", [
+    ("/v1/completions", "best_of", 3), ("/v1/completions", "suffix", "!"),
+    ("/v1/chat/completions", "continue_final_message", True),
+    ("/v1/chat/completions", "prompt_logprobs", 1), ("/v1/chat/completions", "store", True),
+    ("/v1/chat/completions", "stream_options", {"include_usage": True,
+                                                "continuous_usage_stats": True}),
+])
+def test_a_field_the_server_does_not_implement_is_a_400_naming_it(server, route, field, value):
+    """Never dropped in silence; its do-nothing value passes, and a key no schema has is
+    ignored (as vLLM does)."""
+    base = ({"prompt": PROMPT} if route == "/v1/completions" else {"messages": MESSAGES})
+    body = {**base, "max_tokens": 1, field: value}
+    r = httpx.post(f"{server.base_url}{route}", json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == field
+    neutral = {"best_of": 1, "suffix": None, "continue_final_message": False,
+               "prompt_logprobs": None, "store": False,
+               "stream_options": {"continuous_usage_stats": False}}[field]
+    ok = httpx.post(f"{server.base_url}{route}", timeout=60,
+                    json={**base, "max_tokens": 1, field: neutral, "no_such_key": 1})
+    assert ok.status_code == 200, ok.text
+
+
+def test_a_developer_message_is_a_system_message(client, model, tokenizer):
+    """OpenAI's newer name for system instructions: the same prompt as a system message."""
+    def usage(role):
+        return client.chat.completions.create(
+            model=model, max_tokens=1, messages=[{"role": role, "content": "Be brief."},
+                                                 *MESSAGES]).usage.prompt_tokens
+    assert usage("developer") == usage("system") == chat_prompt_len(
+        tokenizer, [{"role": "system", "content": "Be brief."}, *MESSAGES])
+
+
 # -- completions -------------------------------------------------------------------------------
 def test_completion_usage_counts_tokens(client, model, tokenizer):
     out = client.completions.create(model=model, prompt=PROMPT, max_tokens=12, logprobs=0,
@@ -350,9 +422,18 @@ def test_metrics_count_tokens_and_latencies(server):
     assert m["conveyor:request_success_total:length"] > 0
     for name in ("time_to_first_token_seconds", "time_per_output_token_seconds",
                  "e2e_request_latency_seconds", "request_queue_time_seconds",
-                 "request_prefill_time_seconds", "request_decode_time_seconds"):
+                 "request_prefill_time_seconds", "request_decode_time_seconds",
+                 "request_prompt_tokens", "request_generation_tokens", "iteration_tokens_total"):
         assert m[f"conveyor:{name}_count"] > 0, name
     assert "conveyor:num_preemptions_total" in m
+    # vLLM's token histograms count tokens: every prompt token of a finished request
+    assert (m["conveyor:request_prompt_tokens_sum"] <= m["conveyor:prompt_tokens_total"]
+            and m["conveyor:request_generation_tokens_sum"]
+            <= m["conveyor:generation_tokens_total"])
+    assert m["conveyor:iteration_tokens_total_sum"] >= m["conveyor:generation_tokens_total"]
+    # no *_created series; the process's own
+    assert not [name for name in m if name.endswith("_created")]
+    assert m["process_resident_memory_bytes"] > 0
 
 
 def test_engine_steps_record(server):

@@ -42,6 +42,7 @@ class FakeEngine:
                                                             prefix_hits=0))
         self.grammars = SimpleNamespace(stats=GrammarStats())
         self.last_batch_size = 0
+        self.steps, self.num_steps = [], 0  # (no step records)
         self.aborted: list[str] = []
         self.built_on = threading.current_thread()
         self.stepped_on: set[threading.Thread] = set()

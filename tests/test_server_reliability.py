@@ -50,22 +50,26 @@ def keyed():
         proc.terminate()
 
 
-def test_the_key_is_needed_everywhere_but_health_and_metrics(keyed):
+def test_the_key_is_needed_everywhere_but_health_metrics_and_the_dashboard_page(keyed):
+    """The dashboard's page and scripts hold no data (a browser cannot send the key with a page
+    load); its feeds need the key like everything else."""
     url = keyed.base_url
     for method, path in (("GET", "/v1/models"), ("POST", "/v1/completions"),
                          ("POST", "/v1/chat/completions"), ("GET", "/v1/engine/dashboard"),
                          ("GET", "/v1/engine/steps"), ("POST", "/reset_prefix_cache"),
-                         ("GET", "/dashboard"), ("GET", "/version")):
+                         ("POST", "/tokenize"), ("GET", "/version")):
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
             r = httpx.request(method, url + path, headers=headers, json={})
             assert error_of(r, 401)["code"] == "invalid_api_key", (path, headers)
     assert httpx.get(f"{url}/health").status_code == 200
     assert httpx.get(f"{url}/metrics").status_code == 200
+    assert httpx.get(f"{url}/dashboard").status_code == 200
+    assert httpx.get(f"{url}/dashboard/static/dashboard.js").status_code == 200
     auth = {"Authorization": f"Bearer {KEY}"}
     assert httpx.get(f"{url}/v1/engine/dashboard", headers=auth).status_code == 200
     assert "started with" not in keyed.log() and KEY not in keyed.log()
-    assert "API key required on every route but /health and /metrics (from " \
-           "CONVEYOR_API_KEY)" in keyed.log()
+    assert "API key required on every route but /health, /metrics and the dashboard's page " \
+           "(from CONVEYOR_API_KEY)" in keyed.log()
 
 
 def test_the_official_client_with_and_without_the_key(keyed):

@@ -52,8 +52,16 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--disable-tqdm", action="store_true")
 
 
+def server_url(text: str) -> str:
+    """A server's root URL; a trailing ``/v1`` (the OpenAI client's base URL, a common slip)
+    and slashes are dropped, as the routes are added to it."""
+    url = text.rstrip("/")
+    return url.removesuffix("/v1").rstrip("/")
+
+
 def add_serve_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--base-url", default="http://127.0.0.1:8000")
+    p.add_argument("--base-url", default="http://127.0.0.1:8000", type=server_url,
+                   help="the server's root (a trailing /v1 is accepted)")
     p.add_argument("--model", default=None, help="model name to send (default: the server's first)")
     add_workload_args(p)
     p.add_argument("--save-result", action="store_true")
@@ -144,9 +152,16 @@ async def run_load(base_url: str, endpoint: str, model: str, workload: list[Benc
 
 
 def served_model(base_url: str) -> str:
-    resp = httpx.get(base_url.rstrip("/") + "/v1/models", timeout=30)
-    resp.raise_for_status()
-    return resp.json()["data"][0]["id"]
+    """The server's first model; OSError (one line) where nothing there answers as an
+    OpenAI-compatible server."""
+    url = base_url.rstrip("/") + "/v1/models"
+    try:
+        resp = httpx.get(url, timeout=30)
+        resp.raise_for_status()
+        return resp.json()["data"][0]["id"]
+    except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError) as e:
+        raise OSError(f"no OpenAI-compatible server answers at {url}: "
+                      f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e
 
 
 def benchmark(args: argparse.Namespace, workload: list[BenchRequest] | None = None) -> dict:

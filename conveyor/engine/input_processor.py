@@ -15,7 +15,8 @@ from conveyor.sampling_params import SamplingParams
 logger = logging.getLogger("conveyor")
 
 Prompt = str | dict | list[int]
-CHAT_ROLES = ("system", "user", "assistant", "tool")
+# (developer: OpenAI's newer name for system instructions, rendered as system)
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 def _check_text(text: str, what: str) -> None:
@@ -104,6 +105,8 @@ class InputProcessor:
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
         if any(t >= vocab for t in params.stop_token_ids):
             raise ValueError(f"stop_token_ids must be in [0, {vocab})")
+        if any(t >= vocab for t in params.logit_bias or {}):
+            raise ValueError(f"logit_bias token ids must be in [0, {vocab})")
         if len(ids) + params.max_tokens > self.max_model_len:
             raise ValueError(
                 f"prompt ({len(ids)} tokens) plus max_tokens ({params.max_tokens}) exceeds "
@@ -133,6 +136,7 @@ class InputProcessor:
             _check_text(m["content"], "message content")
         if not self.tokenizer.chat_template:
             raise ValueError(f"model {self.model_name} has no chat template")
+        messages = [{**m, "role": "system"} if m["role"] == "developer" else m for m in messages]
         return self.tokenizer.encode(
             render_chat(self.tokenizer, self.model_name, messages, add_generation_prompt, tools,
                         template_kwargs),

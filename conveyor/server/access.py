@@ -18,6 +18,10 @@ from conveyor.server.errors import APIError
 DEFAULT_MAX_BODY_BYTES = 16 * 2**20
 OPEN_PATHS = ("/health", "/metrics")  # for load balancers and Prometheus, as vLLM leaves them
 DASHBOARD_PATHS = ("/dashboard", "/v1/engine/")  # the page and the feeds it shows (prompts)
+# The page and its scripts hold no data: a browser, which cannot send the key with a page
+# load, gets them without it, and the page then sends the key (from /dashboard#key=KEY) with
+# each feed request.
+PAGE_PATHS = ("/dashboard", "/dashboard/")
 
 
 def is_loopback(host: str) -> bool:
@@ -39,10 +43,10 @@ async def _no_receive() -> Message:
 
 
 class ApiKeyGuard:
-    """With a key: every route but /health and /metrics needs ``Authorization: Bearer KEY``
-    (compared in constant time), else 401. Without one, the dashboard and its feeds (they show
-    prompt text) are served only when ``dashboard_open`` (a loopback host or --dashboard-public),
-    else 403."""
+    """With a key: every route but /health, /metrics and the dashboard's page and static files
+    needs ``Authorization: Bearer KEY`` (compared in constant time), else 401. Without one, the
+    dashboard and its feeds (they show prompt text) are served only when ``dashboard_open`` (a
+    loopback host or --dashboard-public), else 403."""
 
     def __init__(self, app: ASGIApp, api_key: str | None, dashboard_open: bool) -> None:
         self.app = app
@@ -52,14 +56,16 @@ class ApiKeyGuard:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
             return await self.app(scope, receive, send)
-        if self.expected is not None:
+        page = scope["path"] in PAGE_PATHS or scope["path"].startswith("/dashboard/static/")
+        if self.expected is not None and not page:
             scheme, _, given = dict(scope["headers"]).get(b"authorization", b"").partition(b" ")
             if scheme.lower() != b"bearer" or not hmac.compare_digest(given.strip(),
                                                                        self.expected):
                 return await _answer(send, APIError(
                     401, "missing or incorrect API key: send it as 'Authorization: Bearer KEY'",
                     None, "invalid_api_key", {"WWW-Authenticate": "Bearer"}))
-        elif not self.dashboard_open and scope["path"].startswith(DASHBOARD_PATHS):
+        elif (self.expected is None and not self.dashboard_open
+              and scope["path"].startswith(DASHBOARD_PATHS)):
             return await _answer(send, APIError(
                 403, "the dashboard shows prompt text: it is served on a non-loopback host only "
                 "with --api-key or --dashboard-public", None, "dashboard_not_public"))

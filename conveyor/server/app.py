@@ -31,6 +31,7 @@ from conveyor.server.protocol import (
     VersionInfo,
 )
 from conveyor.server.state import ServerState, engine_failure, refusal_error
+from conveyor.server.tokenize import tokenize_router
 
 logger = logging.getLogger("conveyor.server")
 
@@ -64,6 +65,7 @@ def build_app(state: ServerState, ready_message: str = "", api_key: str | None =
                   description="OpenAI-compatible API over a continuously batching engine")
     install_error_handlers(app)
     app.include_router(dashboard_router(state))
+    app.include_router(tokenize_router(state))
     mount_static(app)
 
     def refusal() -> APIError | None:
@@ -95,11 +97,19 @@ def build_app(state: ServerState, ready_message: str = "", api_key: str | None =
                            load_seconds=round(engine.load_seconds, 3),
                            tensor_parallel_size=engine.config.tensor_parallel_size)
 
+    def card(name: str) -> ModelCard:
+        return ModelCard(id=name, root=state.engine.model_path,
+                         max_model_len=state.engine.max_model_len)
+
     @app.get("/v1/models")
     async def models() -> ModelList:
-        return ModelList(data=[ModelCard(id=name, root=state.engine.model_path,
-                                         max_model_len=state.engine.max_model_len)
-                               for name in state.served_model_names])
+        return ModelList(data=[card(name) for name in state.served_model_names])
+
+    @app.get("/v1/models/{model:path}", responses={404: {"model": ErrorResponse}})
+    async def model(model: str) -> ModelCard:
+        """One served model (the client's ``models.retrieve``); 404 for any other name."""
+        state.check_model(model)
+        return card(model)
 
     @app.get("/metrics", summary="Prometheus metrics", response_class=Response,
              responses={200: {"content": {CONTENT_TYPE_LATEST: {"schema": {"type": "string"}}}}})

@@ -60,6 +60,9 @@ def _validation_error(exc: RequestValidationError) -> APIError:
            if not (isinstance(part, str) and ("[" in part or part in _BRANCHES))]
     field = loc[1] if len(loc) > 1 and loc[0] in ("body", "query") else None
     where = ".".join(loc[1:]) if field else "request body"
+    named = getattr(first.get("ctx", {}).get("error"), "param", None)  # a whole-body check's
+    if field is None and named is not None:
+        return bad_request(str(first["ctx"]["error"]), named, "unsupported_parameter")
     if kind == "missing":
         return bad_request(f"{where}: field required", field, "missing_required_parameter")
     code = "invalid_value" if kind in _RANGE_ERRORS else "invalid_type"

@@ -49,10 +49,10 @@ def _ready_message(state: ServerState, settings: ServerConfig) -> str:
 
 
 def _access_message(settings: ServerConfig, api_key: str | None, dashboard_open: bool) -> str:
-    key = (f"API key required on every route but /health and /metrics (from "
+    key = (f"API key required on every route but /health, /metrics and the dashboard's page (from "
            f"{'--api-key' if settings.api_key else API_KEY_ENV})" if api_key else "no API key")
     if api_key:
-        page = "the dashboard needs the key too (open it as /dashboard#key=...)"
+        page = "the dashboard's feeds need the key (open it as /dashboard#key=...)"
     elif dashboard_open:
         page = ("the dashboard is public (--dashboard-public)" if settings.dashboard_public
                 else "the dashboard is served (loopback host)")
@@ -81,7 +81,7 @@ def run_server(config: EngineConfig, settings: ServerConfig) -> None:
                                  settings.max_concurrent_requests, on_death)
     engine = engine_thread.engine
     names = settings.served_model_name or [engine.model_name]
-    state = ServerState(engine, engine_thread, ServerMetrics(names[0]), names,
+    state = ServerState(engine, engine_thread, ServerMetrics(names[0], engine.max_model_len), names,
                         settings.request_timeout, settings.reasoning_parser)
     if settings.reasoning_parser and CLOSE not in engine.tokenizer.get_vocab():
         logger.warning("--reasoning-parser %s: %s is no token of this model's vocabulary, so "

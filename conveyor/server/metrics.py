@@ -1,12 +1,17 @@
 """Prometheus metrics with vLLM's meanings under a ``conveyor:`` prefix.
 
 Each server owns a private registry, so two servers (or tests) in one process never share
-counters. Only the engine thread writes; prometheus_client makes reads from /metrics safe.
+counters. Only the engine thread writes; prometheus_client makes reads from /metrics safe. No
+``*_created`` series (vLLM turns them off too); the process's own series (``process_*``:
+memory, CPU seconds, open files) beside them.
 """
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+import itertools
+
+from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector,
+                               disable_created_metrics, generate_latest)
 
 from conveyor.outputs import RequestOutput
 
@@ -15,10 +20,24 @@ _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 
 _TPOT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
                  1.0, 2.5, 5.0, 10.0)
 
+disable_created_metrics()
+
+
+def token_buckets(most: int) -> tuple[int, ...]:
+    """vLLM's buckets for token counts: 1, 2, 5, 10, 20, 50, ... up to ``most``."""
+    buckets, scale = [], 1
+    while True:
+        for step in (1, 2, 5):
+            if step * scale > most:
+                return tuple(buckets)
+            buckets.append(step * scale)
+        scale *= 10
+
 
 class ServerMetrics:
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, max_model_len: int = 1 << 20) -> None:
         self.registry = CollectorRegistry()
+        ProcessCollector(registry=self.registry)
         self.model_name = model_name
         self._preemptions_seen = 0
 
@@ -61,9 +80,24 @@ class ServerMetrics:
         self.prefill_time = histogram("request_prefill_time_seconds",
                                       "First scheduled to first token.")
         self.decode_time = histogram("request_decode_time_seconds", "First token to finish.")
+        lengths = token_buckets(max_model_len)
+        self.request_prompt_tokens = histogram("request_prompt_tokens",
+                                               "Prompt tokens of each finished request.", lengths)
+        self.request_generation_tokens = histogram(
+            "request_generation_tokens", "Tokens generated for each finished request (all of "
+            "its samples).", lengths)
+        self.iteration_tokens = histogram("iteration_tokens_total",
+                                          "Tokens scheduled in each engine step.",
+                                          token_buckets(1 << 14))
+        self._steps_seen = 0
 
     def observe_engine(self, engine) -> None:
-        """Refresh the gauges from the engine's state (engine thread only)."""
+        """Refresh the gauges from the engine's state, and observe the steps since the last
+        call (engine thread only)."""
+        new = min(engine.num_steps - self._steps_seen, len(engine.steps))
+        for step in itertools.islice(reversed(engine.steps), new):
+            self.iteration_tokens.observe(step.num_prefill_tokens + step.num_decode_tokens)
+        self._steps_seen = engine.num_steps
         sched = engine.scheduler
         self.running.set(len(sched.running))
         self.waiting.set(len(sched.waiting))
@@ -94,6 +128,8 @@ class ServerMetrics:
             self.count_finish(completion.finish_reason or "abort")
         if m.finished_time is None:
             return
+        self.request_prompt_tokens.observe(len(out.prompt_token_ids))
+        self.request_generation_tokens.observe(sum(len(c.token_ids) for c in out.outputs))
         self.e2e.observe(m.finished_time - m.arrival_time)
         if m.first_scheduled_time is not None:
             self.queue_time.observe(m.first_scheduled_time - m.arrival_time)

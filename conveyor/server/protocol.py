@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from conveyor.engine.engine import StepRecord
 from conveyor.outputs import RequestOutput
@@ -28,6 +28,8 @@ StopStrings = (Annotated[str, Field(max_length=MAX_STOP_CHARS)]
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
+    # vLLM's usage in every chunk: not implemented, refused when asked for (false passes)
+    continuous_usage_stats: Literal[False] = False
 
 
 # -- structured outputs ------------------------------------------------------------------------
@@ -59,8 +61,51 @@ class StructuredOutputsRequest(BaseModel):
     disable_any_whitespace: bool = False
 
 
+# Fields of OpenAI's and vLLM's published request schemas that Conveyor does not implement:
+# a request that sets one to anything but the value that changes nothing is a 400 naming it
+# (a key neither schema has is ignored, as vLLM does). field -> the values that change nothing.
+NOT_IMPLEMENTED: dict[str, tuple] = {
+    # OpenAI's
+    "audio": (None,), "modalities": (None, ["text"]), "prediction": (None,),
+    "functions": (None,), "function_call": (None,), "web_search_options": (None,),
+    "reasoning_effort": (None,), "verbosity": (None,), "service_tier": (None, "auto", "default"),
+    "store": (None, False), "metadata": (None,), "suffix": (None, ""),
+    "prompt_cache_key": (None,), "safety_identifier": (None,),
+    # vLLM's
+    "best_of": (None, 1), "use_beam_search": (None, False), "length_penalty": (None, 1.0),
+    "include_stop_str_in_output": (None, False), "skip_special_tokens": (None, True),
+    "spaces_between_special_tokens": (None, True), "truncate_prompt_tokens": (None,),
+    "prompt_logprobs": (None,), "allowed_token_ids": (None,), "bad_words": (None, []),
+    "continue_final_message": (None, False), "add_special_tokens": (None,),
+    "documents": (None,), "chat_template": (None,), "mm_processor_kwargs": (None,),
+    "structural_tag": (None,), "guided_decoding_backend": (None,),
+    "guided_whitespace_pattern": (None,), "logits_processors": (None,),
+    "return_tokens_as_token_ids": (None, False), "return_token_ids": (None, False),
+    "cache_salt": (None,), "kv_transfer_params": (None,), "vllm_xargs": (None,),
+    "response_format_options": (None,), "request_id": (None,),
+}
+
+
+class UnimplementedField(ValueError):
+    """A request field this server does not implement (``param``: its name, for the 400)."""
+
+    def __init__(self, param: str, value: Any) -> None:
+        super().__init__(f"{param} is not implemented by this server (got {value!r:.60})")
+        self.param = param
+
+
 class SamplingFields(BaseModel):
     """Fields shared by completions and chat, including vLLM's extras."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unimplemented(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for key, value in data.items():
+                if (key in NOT_IMPLEMENTED and key not in cls.model_fields
+                        and value not in NOT_IMPLEMENTED[key]):
+                    raise UnimplementedField(key, value)
+        return data
 
     model: str | None = Field(None, description="must be a served model name when given")
     n: int = Field(1, ge=1, le=128)
@@ -80,6 +125,9 @@ class SamplingFields(BaseModel):
     min_tokens: int = Field(0, ge=0)
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = Field(None, max_length=MAX_STOP_STRINGS)
+    logit_bias: dict[int, float] | None = Field(None, max_length=1024, description=
+                                                "token id -> a value in [-100, 100] added to "
+                                                "its logit (OpenAI's)")
     priority: int = Field(0, description="lower runs first under --scheduling-policy priority")
     timeout: float | None = Field(None, gt=0, description="seconds; past them the request ends "
                                   "with a 408 (or an error event); capped by --request-timeout")
@@ -138,7 +186,8 @@ class SamplingFields(BaseModel):
             stop=self.stop, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
             logprobs=logprobs, presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
-            repetition_penalty=self.repetition_penalty, structured_outputs=structured)
+            repetition_penalty=self.repetition_penalty, structured_outputs=structured,
+            logit_bias=self.logit_bias or None)
 
 
 class PromptTokensDetails(BaseModel):

@@ -76,7 +76,10 @@ class ServerState:
         except ValueError as e:
             message = str(e)
             name = ("n" if message.startswith("n (") else
-                    limit_param if "max_model_len" in message else param)
+                    limit_param if "max_model_len" in message else
+                    message.split(" ", 1)[0] if message.startswith(("logit_bias",
+                                                                     "stop_token_ids"))
+                    else param)
             raise bad_request(message, name) from e
 
     def submit(self, prefix: str, prompts: list[list[int]], params: SamplingParams,

@@ -83,7 +83,7 @@ def template_messages(body: ChatCompletionRequest, mode: str | None, template: s
     knows_calls = "tool_calls" in template
     messages = []
     for m in body.messages:
-        message = {"role": m.role, "content": m.text}
+        message = {"role": "system" if m.role == "developer" else m.role, "content": m.text}
         if m.tool_call_id is not None:
             message["tool_call_id"] = m.tool_call_id
         if m.tool_calls and knows_calls:  # templates take arguments as a mapping

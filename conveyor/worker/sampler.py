@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from conveyor.core.request import Request
+from conveyor.sampling_params import SamplingParams
 
 # (logits [R, V], temperature, top_k, top_p, min_p, uniform: one a row) -> tokens [R]
 Draw = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
@@ -53,6 +54,22 @@ def _logprobs(row: torch.Tensor, tok: int, k: int) -> list[tuple[int, float, int
     top_vals, top_ids = row.topk(k) if k else (torch.empty(0), torch.empty(0))
     return [(tok, chosen, rank)] + [(t, v, j + 1) for j, (t, v) in
                                     enumerate(zip(top_ids.tolist(), top_vals.tolist()))]
+
+
+def _add_logit_biases(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Each row's logit_bias added to its logits (one scatter for the batch); the logits as
+    they are where no row has one."""
+    rows, cols, values = [], [], []
+    for i, p in enumerate(params):
+        for token, bias in (p.logit_bias or {}).items():
+            rows.append(i)
+            cols.append(token)
+            values.append(bias)
+    if not rows:
+        return logits
+    index = (torch.tensor(rows, device=logits.device), torch.tensor(cols, device=logits.device))
+    return logits.index_put(index, torch.tensor(values, dtype=logits.dtype,
+                                                device=logits.device), accumulate=True)
 
 
 class Sampler:
@@ -100,6 +117,7 @@ class Sampler:
                         if any(k is not None for k in want_logprobs) else None)
 
         # The caller's logits are left as they are: edits below make new tensors.
+        logits = _add_logit_biases(logits, params)
         if grammar is not None:
             logits = logits.clone()
             rows = torch.tensor(grammar.rows, device=logits.device)
