@@ -11,7 +11,8 @@ import torch
 
 from conveyor.llm import LLM
 from conveyor.model.config import GEMMA, ModelConfig
-from conveyor.model.gguf_file import gguf_config, read_gguf
+from conveyor.model.gguf_config import gguf_config
+from conveyor.model.gguf_file import read_gguf
 from conveyor.model.rope import rope_attention_factor, rope_inv_freq
 
 from tiny_models import _CONFIG_CLASSES, make_tiny_checkpoint, make_tiny_model, write_gguf

@@ -28,7 +28,8 @@ from tiny_models import (
 from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor, load_gguf_checkpoint
 
 from conveyor.model.config import ModelConfig
-from conveyor.model.gguf_file import gguf_config, gguf_tensors, load_gguf_tokenizer, read_gguf
+from conveyor.model.gguf_config import gguf_config
+from conveyor.model.gguf_file import gguf_tensors, load_gguf_tokenizer, read_gguf
 from conveyor.model.loader import LoadedModel, check_weights, load_model
 
 # --- the default GGUF -------------------------------------------------------------------------

@@ -1,5 +1,5 @@
-"""Reading llama.cpp GGUF files: config, weights (matrices as the file stores them, views of its
-memory map), eos ids and a cached tokenizer."""
+"""Reading llama.cpp GGUF files: weights (matrices as the file stores them, views of its memory
+map), eos ids and a cached tokenizer; the config is ``gguf_config``'s."""
 
 from __future__ import annotations
 
@@ -12,7 +12,6 @@ import shutil
 import tempfile
 from collections.abc import Iterable
 from functools import partial
-from typing import Any
 
 import gguf
 import numpy as np
@@ -20,12 +19,11 @@ import torch
 import transformers
 
 from conveyor.kernels.blocks import BLOCK_TYPES, QuantizedWeight
-from conveyor.model.config import GEMMA, ModelConfig
+from conveyor.model.config import ModelConfig
+from conveyor.model.gguf_config import BLOCK_RE, ROPE_FACTORS, metadata_number
 from conveyor.model.gguf_reader import GGUFFile
 
 logger = logging.getLogger("conveyor")
-
-SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3")
 
 _Q = gguf.GGMLQuantizationType
 
@@ -54,7 +52,6 @@ _BLOCK_NAMES = {
     "post_attention_norm": "post_attention_norm",  # (Gemma's four norms a layer)
     "post_ffw_norm": "post_ffn_norm",
 }
-_BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 # The tensor types gguf-py dequantizes: F32, F16 and the block types in its registry (not the
 # integer types, F64, Q8_1 or Q8_K).
 _READABLE_TYPES = frozenset({gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16,
@@ -62,9 +59,6 @@ _READABLE_TYPES = frozenset({gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizatio
 
 # Text that exercises merges, spaces, digits, unicode and special tokens.
 _TOKENIZER_PROBE = "Hello world!  12345 naïve 🤗\n\n<|im_start|>user\tdef f(x): return x**2<|im_end|>"
-
-_REQUIRED = object()
-
 
 def _one_line(e: BaseException) -> str:
     """An exception as one short line (the CLI prints errors as one line)."""
@@ -80,185 +74,6 @@ def read_gguf(path: str) -> GGUFFile:
         raise ValueError(f"{path}: not a valid GGUF file: {_one_line(e)}") from e
 
 
-def _field(reader: GGUFFile, key: str, default: Any = _REQUIRED) -> Any:
-    value = reader.value(key, _REQUIRED)
-    if value is not _REQUIRED:
-        return value
-    if default is _REQUIRED:
-        raise ValueError(f"GGUF file has no {key!r} metadata")
-    return default
-
-
-def _number(reader: GGUFFile, key: str, default: Any = _REQUIRED, *,
-            kind: type = int, zero: bool = False) -> Any:
-    """A positive (or, with zero, non-negative) number from the metadata, or default when the
-    key is absent. A corrupted file can hold a string, a list, 0 or a NaN there, which would
-    fail far from the cause (a ZeroDivisionError, a TypeError)."""
-    value = _field(reader, key, default)
-    if value is None and default is None:
-        return None
-    if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
-            or not (value >= 0 if zero else value > 0) or kind is int and value != int(value)):
-        raise ValueError(f"GGUF metadata {key!r} is {value!r:.40}, expected a "
-                         f"{'non-negative' if zero else 'positive'} {kind.__name__}")
-    return kind(value)
-
-
-def gguf_architecture(reader: GGUFFile) -> str:
-    """The llama.cpp architecture name, checked against what the engine can run."""
-    arch = _field(reader, "general.architecture", None)
-    if arch not in SUPPORTED_GGUF_ARCHITECTURES:
-        raise ValueError(
-            f"unsupported GGUF architecture {arch!r} (supported: {', '.join(SUPPORTED_GGUF_ARCHITECTURES)})"
-        )
-    return arch
-
-
-def gguf_config(reader: GGUFFile) -> ModelConfig:
-    """ModelConfig from `{arch}.*` metadata; llama.cpp has no dtype, so torch_dtype is None.
-    What llama.cpp fixes per architecture rather than storing (Gemma's window pattern, local
-    rope base and scores' scale) is fixed here the same way."""
-    arch = gguf_architecture(reader)
-    scaling = _field(reader, f"{arch}.rope.scaling.type", None)
-    rope_scaling = None
-    if scaling == "linear":
-        rope_scaling = {"rope_type": "linear",
-                        "factor": _number(reader, f"{arch}.rope.scaling.factor", kind=float)}
-    elif scaling not in (None, "none"):
-        raise ValueError(f"rope scaling {scaling!r} is not supported for GGUF files")
-    tensors = {t.name: t for t in reader.tensors}
-    hidden = _number(reader, f"{arch}.embedding_length")
-    num_heads = _number(reader, f"{arch}.attention.head_count")
-    num_layers = _number(reader, f"{arch}.block_count")
-    head_dim = _number(reader, f"{arch}.attention.key_length", hidden // num_heads)
-    gemma = arch in GEMMA
-    window = (_number(reader, f"{arch}.attention.sliding_window", None)
-              if arch in _WINDOWED else None)
-    layer_types = None
-    if window is not None and gemma:  # llama.cpp's patterns: every 2nd, every 6th layer full
-        pattern = 2 if arch == "gemma2" else 6
-        layer_types = tuple("sliding_attention" if (i + 1) % pattern else "full_attention"
-                            for i in range(num_layers))
-    # llama.cpp's scores' scale: head_dim ** -0.5, but hidden / heads for the 27B models
-    big = num_layers == {"gemma2": 46, "gemma3": 62}.get(arch)
-    rotary = head_dim
-    if arch == "phi3":  # partial rotary (Phi-4-mini), LongRoPE's factors as tensors
-        rotary = _number(reader, f"{arch}.rope.dimension_count", head_dim)
-        if "rope_factors_long.weight" in tensors:
-            rope_scaling = _longrope(reader, arch, tensors, rotary)
-    vocab = _number(reader, f"{arch}.vocab_size", None)
-    if vocab is None:  # llama.cpp's converter often leaves it out: the embedding's rows
-        embd = tensors.get("token_embd.weight")
-        if embd is None or len(embd.shape) != 2:
-            raise ValueError("GGUF file has no vocab_size metadata and no 2-D token_embd.weight")
-        vocab = int(embd.shape[0])
-    config = ModelConfig(
-        architecture=arch,
-        vocab_size=vocab,
-        hidden_size=hidden,
-        intermediate_size=_number(reader, f"{arch}.feed_forward_length"),
-        num_layers=num_layers,
-        num_heads=num_heads,
-        num_kv_heads=_number(reader, f"{arch}.attention.head_count_kv", num_heads),
-        head_dim=head_dim,
-        rms_norm_eps=_number(reader, f"{arch}.attention.layer_norm_rms_epsilon", kind=float),
-        rope_theta=_number(reader, f"{arch}.rope.freq_base", 10000.0, kind=float),
-        rope_scaling=rope_scaling,
-        max_position_embeddings=_number(reader, f"{arch}.context_length"),
-        tie_word_embeddings="output.weight" not in tensors,
-        attention_bias=arch == "qwen2" or "blk.0.attn_q.bias" in tensors,
-        qk_norm=arch in ("qwen3", "gemma3"),
-        torch_dtype=None,
-        sliding_window=window,
-        layer_types=layer_types,
-        hidden_act="gelu_pytorch_tanh" if gemma else "silu",
-        attention_scale=(hidden / num_heads if big else head_dim) ** -0.5 if gemma else None,
-        attn_softcap=_number(reader, f"{arch}.attn_logit_softcapping", None, kind=float),
-        final_softcap=_number(reader, f"{arch}.final_logit_softcapping", None, kind=float),
-        local_rope_theta=10000.0 if arch == "gemma3" else None,
-        output_bias="blk.0.attn_output.bias" in tensors,
-        rotary_dim=None if rotary == head_dim else rotary,
-    )
-    if not gemma and (config.attn_softcap or config.final_softcap):
-        raise ValueError(f"GGUF soft-capping is not implemented for {arch}")
-    _check_counts(config, tensors)
-    _refuse_unread(reader, config)
-    return config
-
-
-# LongRoPE's factors, which llama.cpp's converter stores as tensors (F32, one per rotated pair)
-_ROPE_FACTORS = {"rope_factors_short.weight": "short_factor",
-                 "rope_factors_long.weight": "long_factor"}
-
-
-def _longrope(reader: GGUFFile, arch: str, tensors: dict, rotary: int) -> dict[str, Any]:
-    """Phi-3's LongRoPE from the file: the factors' tensors, the pretrained length and the
-    attention factor (which llama.cpp's converter computes and stores)."""
-    scaling: dict[str, Any] = {"rope_type": "longrope"}
-    for name, key in _ROPE_FACTORS.items():
-        t = tensors.get(name)
-        if t is None or t.ggml_type != _Q.F32 or tuple(t.shape) != (rotary // 2,):
-            raise ValueError(f"{name}: LongRoPE needs {rotary // 2} F32 factors")
-        scaling[key] = reader.tensor_bytes(t).view(np.float32).tolist()
-    scaling["original_max_position_embeddings"] = _number(
-        reader, f"{arch}.rope.scaling.original_context_length")
-    scaling["attention_factor"] = _number(reader, f"{arch}.rope.scaling.attn_factor", 1.0,
-                                          kind=float)
-    return scaling
-
-
-# ``{arch}.*`` keys ``gguf_config`` reads; every other one must hold what the network without
-# it would (``_AT``: a function of the config) or is refused. Keys outside ``{arch}.*``
-# (general.*, tokenizer.*, quantize.*, split.*) are metadata.
-_READ = frozenset({"context_length", "embedding_length", "block_count", "feed_forward_length",
-                   "attention.head_count", "attention.head_count_kv", "attention.key_length",
-                   "attention.layer_norm_rms_epsilon", "rope.freq_base", "rope.scaling.type",
-                   "vocab_size", "attn_logit_softcapping", "final_logit_softcapping"})
-# The architectures whose sliding window llama.cpp applies (Llama's and Qwen's it ignores:
-# there the key is refused, not followed in a way llama.cpp does not).
-_WINDOWED = ("phi3", "gemma2", "gemma3")
-_AT = {"rope.dimension_count": lambda c: c.head_dim, "attention.value_length": lambda c: c.head_dim,
-       "expert_count": lambda c: 0, "expert_used_count": lambda c: 0}
-_UNUSED_WITHOUT_SCALING = ("rope.scaling.",)  # (factors of a scaling type "none")
-
-
-def _refuse_unread(reader: GGUFFile, config: ModelConfig) -> None:
-    arch = config.architecture
-    for key in reader.keys:
-        if not key.startswith(arch + "."):
-            continue
-        name = key[len(arch) + 1:]
-        longrope = config.rope_scaling is not None and config.rope_scaling["rope_type"] == "longrope"
-        if (name in _READ or name.startswith(_UNUSED_WITHOUT_SCALING) and
-                config.rope_scaling is None or name == "rope.scaling.factor"
-                or name == "attention.sliding_window" and arch in _WINDOWED
-                or name == "rope.dimension_count" and arch == "phi3"
-                or longrope and name in ("rope.scaling.original_context_length",
-                                         "rope.scaling.attn_factor")):
-            continue
-        value = reader.value(key)
-        if name in _AT and value == _AT[name](config):
-            continue
-        raise ValueError(f"GGUF metadata {key} = {value!r:.80} is not implemented for {arch}: "
-                         f"it may change the network's output")
-
-
-def _check_counts(config: ModelConfig, tensor_names: Iterable[str]) -> None:
-    """The counts the model divides by or loops over, checked against each other and the
-    tensors before anything uses them: a corrupted block_count would otherwise build the
-    expected tensors of millions of layers, a bad head count fail in a reshape."""
-    c, arch = config, config.architecture
-    if c.num_heads % c.num_kv_heads:
-        raise ValueError(f"{arch}.attention.head_count {c.num_heads} is not a multiple of "
-                         f"head_count_kv {c.num_kv_heads}")
-    if c.head_dim % 2:
-        raise ValueError(f"head_dim {c.head_dim} is odd: rope rotates pairs")
-    blocks = {m.group(1) for name in tensor_names if (m := _BLOCK_RE.fullmatch(name))}
-    if len(blocks) != c.num_layers:
-        raise ValueError(f"{arch}.block_count is {c.num_layers}, but the file has tensors "
-                         f"for {len(blocks)} blocks")
-
-
 def check_gguf_tensors(reader: GGUFFile, config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every tensor's name, type and bytes, checked before anything reads its data; returns
     their shapes (HF [out, in] layout, our names) for ``loader.check_shapes``.
@@ -268,7 +83,7 @@ def check_gguf_tensors(reader: GGUFFile, config: ModelConfig) -> dict[str, tuple
     table order, each padded to the alignment: a tensor that starts anywhere else means the
     one before it is not the size its shape and type say (a wrong type or block count)."""
     arch = config.architecture
-    settings = set(_ROPE_FACTORS) if arch == "phi3" else set()  # (read by gguf_config)
+    settings = set(ROPE_FACTORS) if arch == "phi3" else set()  # (read by gguf_config)
     names = {t.name: _rename(t.name, arch) for t in reader.tensors if t.name not in settings}
     unknown = [gguf_name for gguf_name, name in names.items() if name is None]
     if "rope_freqs.weight" in unknown:
@@ -335,7 +150,7 @@ def gguf_tensors(reader: GGUFFile, config: ModelConfig
     quantized: dict[str, QuantizedWeight] = {}
     dense: list[tuple[str, int]] = []
     for t in reader.tensors:
-        if t.name in _ROPE_FACTORS and config.architecture == "phi3":
+        if t.name in ROPE_FACTORS and config.architecture == "phi3":
             continue  # (the config's)
         name, kind = _rename(t.name, config.architecture), int(t.ggml_type)
         if isinstance(name, tuple):  # fused: its parts as runs of its rows (no release: the
@@ -402,7 +217,7 @@ def _rename(gguf_name: str, arch: str) -> str | tuple[str, ...] | None:
     """Our name of a GGUF tensor; a fused matrix's parts' names; None if unknown."""
     if gguf_name in _TOP_LEVEL_NAMES:
         return _TOP_LEVEL_NAMES[gguf_name]
-    m = _BLOCK_RE.fullmatch(gguf_name)
+    m = BLOCK_RE.fullmatch(gguf_name)
     if m is None:
         return None
     fused = _FUSED_BLOCK_NAMES.get(arch, {}).get(m.group(2))
@@ -415,7 +230,7 @@ def _rename(gguf_name: str, arch: str) -> str | tuple[str, ...] | None:
 
 def gguf_eos_token_ids(reader: GGUFFile) -> list[int]:
     """eos plus end-of-turn ids: llama.cpp stops on both (e.g. llama3's <|eot_id|>)."""
-    ids = (_number(reader, f"tokenizer.ggml.{k}_token_id", None, zero=True)
+    ids = (metadata_number(reader, f"tokenizer.ggml.{k}_token_id", None, zero=True)
            for k in ("eos", "eot", "eom"))
     return [i for i in ids if i is not None]
 

@@ -15,9 +15,9 @@ import transformers
 
 from conveyor.kernels.blocks import DENSE_TYPES, QuantizedWeight
 from conveyor.model.config import GEMMA, ModelConfig
+from conveyor.model.gguf_config import gguf_config
 from conveyor.model.gguf_file import (
     check_gguf_tensors,
-    gguf_config,
     gguf_eos_token_ids,
     gguf_tensors,
     load_gguf_tokenizer,
