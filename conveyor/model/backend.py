@@ -165,8 +165,7 @@ def _use_decode_stack(model: Transformer, kernels: CPUKernels,
                     layer.attention.wqkv.bias, *kv_cache, layer.attention.scores.window,
                     layer.attention.rope, weight(layer.attention.q_norm),
                     weight(layer.attention.k_norm),
-                    weight(getattr(layer, "post_attention_norm", None)),
-                    weight(getattr(layer, "post_ffn_norm", None)))
+                    weight(layer.post_attention_norm), weight(layer.post_ffn_norm))
          for layer, kv_cache in zip(model.layers, kv_caches)],
         heads=c.num_heads, kv_heads=c.num_kv_heads, head_dim=c.head_dim,
         intermediate=c.intermediate_size, eps=c.rms_norm_eps, scale=c.attention_scale,

@@ -20,28 +20,13 @@ from conveyor.model.model import RMSNorm, Transformer, TransformerBlock
 
 
 class GemmaBlock(TransformerBlock):
-    """``h = x + post_attention_norm(attn(norm(x))); h + post_ffn_norm(ffn(norm(h)))``."""
+    """``h = x + post_attention_norm(attn(norm(x))); h + post_ffn_norm(ffn(norm(h)))``: the
+    shared block with its after-norms."""
 
     def __init__(self, config: ModelConfig, layer: int) -> None:
         super().__init__(config, layer)
         self.post_attention_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_ffn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-
-    def forward(self, h, residual, ropes, kv_cache, meta):
-        """As ``TransformerBlock.forward``: the block's output, unnormalised, and the stream
-        before it."""
-        if residual is None:
-            x, residual = self.attention_norm(h), h
-        else:
-            x, residual = self.attention_norm(h, residual)
-        x = self.attention(x, ropes, kv_cache, meta)
-        if self.all_reduce is not None:
-            self.all_reduce(x)
-        x, residual = self.ffn_norm(self.post_attention_norm(x), residual)
-        x = self.feed_forward(x)
-        if self.all_reduce is not None:
-            self.all_reduce(x)
-        return self.post_ffn_norm(x), residual
 
 
 class Gemma(Transformer):

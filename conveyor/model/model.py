@@ -153,11 +153,15 @@ class TransformerBlock(nn.Module):
         self.attention = Attention(config, layer)
         self.ffn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.feed_forward = FeedForward(config)
+        # norms of the attention's and the feed-forward's outputs (Gemma's block has them)
+        self.post_attention_norm: RMSNorm | None = None
+        self.post_ffn_norm: RMSNorm | None = None
 
     def forward(self, h, residual, ropes, kv_cache, meta):
         """h: the previous block's output, residual: the stream before it (None at the first
         block, where h is the embeddings). Returns this block's output and the stream before it:
-        the same sums as ``h = x + attn(norm(x)); h + ffn(norm(h))``, fusable with the norms."""
+        the same sums as ``h = x + attn(norm(x)); h + ffn(norm(h))`` (with after-norms,
+        ``h = x + post(attn(norm(x))); h + post(ffn(norm(h)))``), fusable with the norms."""
         if residual is None:
             x, residual = self.attention_norm(h), h
         else:
@@ -165,10 +169,14 @@ class TransformerBlock(nn.Module):
         x = self.attention(x, ropes, kv_cache, meta)
         if self.all_reduce is not None:
             self.all_reduce(x)
+        if self.post_attention_norm is not None:
+            x = self.post_attention_norm(x)
         x, residual = self.ffn_norm(x, residual)
         x = self.feed_forward(x)
         if self.all_reduce is not None:
             self.all_reduce(x)
+        if self.post_ffn_norm is not None:
+            x = self.post_ffn_norm(x)
         return x, residual
 
 
