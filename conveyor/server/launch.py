@@ -21,7 +21,7 @@ from conveyor.server.app import build_app
 from conveyor.server.config import ServerConfig
 from conveyor.server.engine_thread import EngineThread
 from conveyor.server.metrics import ServerMetrics
-from conveyor.server.reasoning import CLOSE
+from conveyor.server.reasoning import CLOSE, think_tag_ids
 from conveyor.server.state import ServerState
 
 GRACEFUL_SHUTDOWN_S = 30
@@ -83,7 +83,7 @@ def run_server(config: EngineConfig, settings: ServerConfig) -> None:
     names = settings.served_model_name or [engine.model_name]
     state = ServerState(engine, engine_thread, ServerMetrics(names[0], engine.max_model_len), names,
                         settings.request_timeout, settings.reasoning_parser)
-    if settings.reasoning_parser and CLOSE not in engine.tokenizer.get_vocab():
+    if settings.reasoning_parser and think_tag_ids(engine.tokenizer)[1] is None:
         logger.warning("--reasoning-parser %s: %s is no token of this model's vocabulary, so "
                        "a constraint holds over the whole output, thinking included",
                        settings.reasoning_parser, CLOSE)

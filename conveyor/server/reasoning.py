@@ -30,6 +30,14 @@ def split_reasoning(text: str, parser: str) -> tuple[str | None, str | None]:
     return reasoning, (content if closed else None)
 
 
+def think_tag_ids(tokenizer) -> tuple[int | None, int | None]:
+    """The ids of ``<think>`` and ``</think>``, each None where it is not one token of the
+    vocabulary (looked up, not the whole vocabulary built: this runs per request)."""
+    ids = tokenizer.convert_tokens_to_ids([OPEN, CLOSE])
+    unknown = (None, tokenizer.unk_token_id)
+    return tuple(None if i in unknown else i for i in ids)
+
+
 def constrain_the_answer(params: SamplingParams, prompt_ids: list[int], tokenizer
                          ) -> SamplingParams:
     """A constraint (a response format, tool calls) holds from the end of the thinking on, as
@@ -38,10 +46,11 @@ def constrain_the_answer(params: SamplingParams, prompt_ids: list[int], tokenize
     the first token; and over the whole output where ``</think>`` is no token of the model's
     vocabulary (a model that does not think in these tags; the server logs it at start)."""
     spec = params.structured_outputs
-    vocab = tokenizer.get_vocab()
-    if spec is None or CLOSE not in vocab:
+    if spec is None:
         return params
-    close, opened = vocab[CLOSE], vocab.get(OPEN)
+    opened, close = think_tag_ids(tokenizer)
+    if close is None:
+        return params
     tags = [i for i, t in enumerate(prompt_ids) if t in (close, opened)]
     if tags and prompt_ids[tags[-1]] == close:
         return params
