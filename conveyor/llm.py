@@ -66,9 +66,12 @@ class LLM:
 
     def chat(self, messages: list[Message] | list[list[Message]],
              sampling_params: SamplingParams | list[SamplingParams] | None = None,
-             use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
-        """Apply the model's chat template to one conversation or a list of them, then generate."""
+             use_tqdm: bool = True, add_generation_prompt: bool = True,
+             continue_final_message: bool = False) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation or a list of them, then generate
+        (``continue_final_message``: the last message's text is continued, as vLLM's)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [{"prompt_token_ids": self.engine.inputs.apply_chat_template(
-            c, add_generation_prompt)} for c in conversations]
+            c, add_generation_prompt, continue_final_message=continue_final_message)}
+            for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)

@@ -48,3 +48,5 @@ class RequestOutput:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     error: str | None = None    # why this request failed (finish_reason "error"), alone
     client_error: bool = False  # ... because of its own input (a constraint it cannot meet)
+    # with prompt_logprobs: per prompt token, its logprob and alternatives (None for the first)
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None

@@ -80,6 +80,10 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None
+    # each prompt token's logprob given the tokens before it, with this many alternatives
+    # (vLLM's; the first token has none). Such a request computes its whole prompt: no prefix
+    # cache hit.
+    prompt_logprobs: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -113,6 +117,9 @@ class SamplingParams:
               f"must be None or an integer in [{_SEEDS.start}, {_SEEDS.stop})")
         check(self.logprobs is None or (isinstance(self.logprobs, int) and self.logprobs >= 0),
               "logprobs", "must be None or an integer >= 0")
+        check(self.prompt_logprobs is None or (isinstance(self.prompt_logprobs, int)
+                                                and self.prompt_logprobs >= 0),
+              "prompt_logprobs", "must be None or an integer >= 0")
         check(-2 <= self.presence_penalty <= 2, "presence_penalty", "must be in [-2, 2]")
         check(-2 <= self.frequency_penalty <= 2, "frequency_penalty", "must be in [-2, 2]")
         check(self.repetition_penalty > 0, "repetition_penalty", "must be > 0")

@@ -102,10 +102,8 @@ def test_logit_bias_changes_the_greedy_token(server, client, model, tokenizer):
 
 @pytest.mark.parametrize("route,field,value", [
     ("/v1/completions", "best_of", 3), ("/v1/completions", "suffix", "!"),
-    ("/v1/chat/completions", "continue_final_message", True),
-    ("/v1/chat/completions", "prompt_logprobs", 1), ("/v1/chat/completions", "store", True),
-    ("/v1/chat/completions", "stream_options", {"include_usage": True,
-                                                "continuous_usage_stats": True}),
+    ("/v1/chat/completions", "allowed_token_ids", [1, 2]),
+    ("/v1/chat/completions", "store", True), ("/v1/completions", "use_beam_search", True),
 ])
 def test_a_field_the_server_does_not_implement_is_a_400_naming_it(server, route, field, value):
     """Never dropped in silence; its do-nothing value passes, and a key no schema has is
@@ -115,12 +113,46 @@ def test_a_field_the_server_does_not_implement_is_a_400_naming_it(server, route,
     r = httpx.post(f"{server.base_url}{route}", json=body, timeout=60)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == field
-    neutral = {"best_of": 1, "suffix": None, "continue_final_message": False,
-               "prompt_logprobs": None, "store": False,
-               "stream_options": {"continuous_usage_stats": False}}[field]
+    neutral = {"best_of": 1, "suffix": None, "allowed_token_ids": None, "store": False,
+               "use_beam_search": False}[field]
     ok = httpx.post(f"{server.base_url}{route}", timeout=60,
                     json={**base, "max_tokens": 1, field: neutral, "no_such_key": 1})
     assert ok.status_code == 200, ok.text
+
+
+def test_continue_final_message_continues_the_assistants_text(client, model, tokenizer):
+    """vLLM's prefilled answer: the prompt ends inside the last message, which the reply
+    continues."""
+    partial = "The three colours are red,"
+    messages = [*MESSAGES, {"role": "assistant", "content": partial}]
+    r = client.chat.completions.create(
+        model=model, messages=messages, max_tokens=8, temperature=0,
+        extra_body={"continue_final_message": True, "add_generation_prompt": False})
+    text = tokenizer.apply_chat_template(messages, tokenize=False, continue_final_message=True)
+    assert text.endswith(partial)
+    assert r.usage.prompt_tokens == len(tokenizer.encode(text, add_special_tokens=False))
+    plain = client.completions.create(model=model, prompt=text, max_tokens=8, temperature=0)
+    assert r.choices[0].message.content == plain.choices[0].text
+    with pytest.raises(openai.BadRequestError) as e:  # both: continue or answer?
+        client.chat.completions.create(model=model, messages=messages, max_tokens=1,
+                                       extra_body={"continue_final_message": True})
+    assert e.value.body["param"] == "continue_final_message"
+
+
+@pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
+def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(server, route):
+    base = {"prompt": PROMPT} if route == "/v1/completions" else {"messages": MESSAGES}
+    with httpx.stream("POST", f"{server.base_url}{route}", timeout=60, json={
+            **base, "max_tokens": 5, "stream": True, "ignore_eos": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines()
+                  if line.startswith("data: {")]
+    with_tokens = [c for c in chunks if c["choices"] and c["choices"][0].get(
+        "text", c["choices"][0].get("delta", {}).get("content"))]
+    counts = [c["usage"]["completion_tokens"] for c in with_tokens]
+    assert counts == sorted(counts) and counts[-1] == 5 and counts[0] >= 1
+    assert all(c["usage"]["prompt_tokens"] == chunks[-1]["usage"]["prompt_tokens"]
+               for c in with_tokens)
 
 
 def test_a_developer_message_is_a_system_message(client, model, tokenizer):

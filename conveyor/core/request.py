@@ -56,6 +56,9 @@ class Request:
         # the one after grammar_after (while that is not None, the output is unconstrained)
         self.grammar = None
         self.grammar_after: int | None = None
+        # the prompt's logprobs, with this many alternatives, are computed for this sample (the
+        # first of n: the others would repeat them)
+        self.prompt_logprobs: int | None = None
 
     @property
     def constrained(self) -> bool:

@@ -205,7 +205,9 @@ class Scheduler:
                 if not sibling.is_finished and sibling.num_computed_tokens < sibling.num_prompt_tokens:
                     break  # its prompt pages are about to be cached: reuse, don't recompute
                 request.waits_for_prefill_of = None
-            cached = self.kv.find_cached_prefix(request)
+            # (a request that wants its prompt's logprobs computes every prompt token)
+            cached = ([] if request.prompt_logprobs is not None
+                      else self.kv.find_cached_prefix(request))
             hit = len(cached) * self.kv.block_size
             n = min(request.num_tokens - hit, budget)
             if not self.kv.allocate_slots(request, n, cached):

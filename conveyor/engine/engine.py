@@ -53,6 +53,7 @@ class _RequestState:
     samples: list[_Sample]
     error: str | None = None
     client_error: bool = False  # the error is the request's own input's fault
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # filled as chunks run
 
     @property
     def finished(self) -> bool:
@@ -167,6 +168,9 @@ class LLMEngine:
             state.samples.append(_Sample(
                 request, IncrementalDetokenizer(self.tokenizer, ids, sample_params.stop_strings),
                 [] if sample_params.logprobs is not None else None))
+        if params.prompt_logprobs is not None:
+            state.samples[0].request.prompt_logprobs = params.prompt_logprobs
+            state.prompt_logprobs = [None] * len(ids)
         self._states[request_id] = state
         for sample in state.samples:
             self.scheduler.add_request(sample.request)
@@ -208,7 +212,8 @@ class LLMEngine:
                         victim.num_tokens)
         tp = self.tensor_parallel
         before = (0.0, 0.0) if tp is None else (tp.all_reduce_seconds, tp.communication_seconds)
-        results = self.runner.execute(sched)
+        ran = self.runner.execute(sched)
+        results = ran.samples
         now = time.monotonic()
         talk = {} if tp is None else dict(
             all_reduce_seconds=tp.all_reduce_seconds - before[0],
@@ -218,6 +223,11 @@ class LLMEngine:
             sched, {rid: r.token_id for rid, r in results.items() if r.error is None}, now)
 
         touched: dict[str, _RequestState] = {}
+        for rid, (first, rows) in ran.prompt_logprobs.items():
+            if rid in self._live_samples:
+                state = self._live_samples[rid][0]
+                state.prompt_logprobs[first + 1:first + 1 + len(rows)] = [
+                    self._logprobs(entries) for entries in rows]
         for rid, result in results.items():
             if result.error is not None and rid in self._live_samples:
                 state = self._fail(rid, result.error, now)
@@ -256,8 +266,7 @@ class LLMEngine:
             if request.grammar.is_stopped() and not request.is_finished:  # grammar complete
                 self.scheduler.finish_request(request, RequestStatus.FINISHED_STOPPED)
         if sample.logprobs is not None:
-            sample.logprobs.append({tid: Logprob(lp, rank, self.tokenizer.decode([tid]))
-                                    for tid, lp, rank in result.logprobs})
+            sample.logprobs.append(self._logprobs(result.logprobs))
         stop = sample.detokenizer.add_token(
             result.token_id,
             check_stop=request.num_output_tokens >= request.sampling_params.min_tokens)
@@ -269,6 +278,9 @@ class LLMEngine:
                 self.scheduler.finish_request(request, RequestStatus.FINISHED_STOPPED)
         if request.is_finished:
             self._retire(request, now)
+
+    def _logprobs(self, entries: list[tuple[int, float, int]]) -> dict[int, Logprob]:
+        return {tid: Logprob(lp, rank, self.tokenizer.decode([tid])) for tid, lp, rank in entries}
 
     def _retire(self, request: Request, now: float) -> None:
         """A finished sample leaves the batch's timeline and the engine's live samples."""
@@ -317,4 +329,4 @@ class LLMEngine:
         cached = [s.request.num_cached_tokens for s in state.samples]
         return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, completions,
                              finished, merged, max((c for c in cached if c is not None), default=0),
-                             state.error, state.client_error)
+                             state.error, state.client_error, state.prompt_logprobs)

@@ -38,17 +38,22 @@ _TEMPLATE_ARGUMENTS = (frozenset(inspect.signature(
 
 def render_chat(tokenizer, model_name: str, messages: list[dict],
                 add_generation_prompt: bool = True, tools: list[dict] | None = None,
-                template_kwargs: dict | None = None) -> str:
+                template_kwargs: dict | None = None, continue_final_message: bool = False) -> str:
     """The chat template is code from the model file: transformers renders it in Jinja's
     immutable sandbox, which refuses any reach into Python internals (SecurityError).
-    ``template_kwargs``: more variables for the template (``enable_thinking``...)."""
+    ``template_kwargs``: more variables for the template (``enable_thinking``...).
+    ``continue_final_message``: the last message is left open (no end of turn after it), so
+    the model continues its text (a prefilled answer), as vLLM and transformers do."""
     clash = sorted(set(template_kwargs or {}) & _TEMPLATE_ARGUMENTS)
     if clash:
         raise ValueError(f"chat_template_kwargs may not set {', '.join(clash)}")
+    if continue_final_message and add_generation_prompt:
+        raise ValueError("continue_final_message needs add_generation_prompt to be false: the "
+                         "last message is continued, not answered")
     try:
         return tokenizer.apply_chat_template(
-            messages, tools=tools, tokenize=False,
-            add_generation_prompt=add_generation_prompt, **(template_kwargs or {}))
+            messages, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message, **(template_kwargs or {}))
     except jinja2.exceptions.SecurityError as e:
         raise ValueError(f"the chat template of {model_name} was refused: it tried "
                          f"to reach Python internals ({e})") from e
@@ -123,9 +128,11 @@ class InputProcessor:
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             tools: list[dict] | None = None,
-                            template_kwargs: dict | None = None) -> list[int]:
+                            template_kwargs: dict | None = None,
+                            continue_final_message: bool = False) -> list[int]:
         """``tools``: OpenAI's tool definitions, for a template that renders them;
-        ``template_kwargs``: more variables for the template."""
+        ``template_kwargs``: more variables for the template; ``continue_final_message``: see
+        ``render_chat``."""
         if not messages:
             raise ValueError("messages must not be empty")
         for m in messages:
@@ -139,5 +146,5 @@ class InputProcessor:
         messages = [{**m, "role": "system"} if m["role"] == "developer" else m for m in messages]
         return self.tokenizer.encode(
             render_chat(self.tokenizer, self.model_name, messages, add_generation_prompt, tools,
-                        template_kwargs),
+                        template_kwargs, continue_final_message),
             add_special_tokens=False)

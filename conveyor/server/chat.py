@@ -23,6 +23,7 @@ from conveyor.server.protocol import (
     TokenLogprob,
     TopLogprob,
     UsageInfo,
+    prompt_logprobs_of,
 )
 from conveyor.server.reasoning import ReasoningDeltas, constrain_the_answer, split_reasoning
 from conveyor.server.state import ServerState, collect, engine_failure
@@ -64,9 +65,11 @@ async def create_chat_completion(body: ChatCompletionRequest, raw: Request,
     try:
         messages, tools = template_messages(body, mode, state.engine.tokenizer.chat_template or "")
         ids = state.engine.inputs.apply_chat_template(messages, body.add_generation_prompt, tools,
-                                                      body.chat_template_kwargs)
+                                                      body.chat_template_kwargs,
+                                                      body.continue_final_message)
     except ValueError as e:
-        param = "chat_template_kwargs" if str(e).startswith("chat_template_kwargs") else "messages"
+        param = next((p for p in ("chat_template_kwargs", "continue_final_message")
+                      if str(e).startswith(p)), "messages")
         raise bad_request(str(e), param) from e
     max_tokens = body.max_completion_tokens or body.max_tokens
     limit_param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
@@ -102,7 +105,8 @@ async def create_chat_completion(body: ChatCompletionRequest, raw: Request,
             logprobs=_logprobs(s, slice(None), top) if top is not None else None,
             finish_reason=finish_reason(s, calls)))
     return ChatCompletionResponse(id=request_id, created=created, model=state.model_name,
-                                  choices=choices, usage=UsageInfo.of([out]))
+                                  choices=choices, usage=UsageInfo.of([out]),
+                                  prompt_logprobs=prompt_logprobs_of(out))
 
 
 def _plain_delta(deltas: TextDeltas | ReasoningDeltas, sample: CompletionOutput
@@ -135,6 +139,10 @@ async def _stream(state: ServerState, body: ChatCompletionRequest, request_id: s
             yield chunk([ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant",
                                                                      content=""))])
         async for _, out in submission.outputs():
+            if latest is None and out.prompt_logprobs is not None:  # the prompt is computed
+                yield sse(ChatCompletionChunk(id=request_id, created=created,
+                                              model=state.model_name, choices=[],
+                                              prompt_logprobs=prompt_logprobs_of(out)))
             latest = out
             for sample in out.outputs:
                 d = deltas[sample.index]
@@ -147,7 +155,7 @@ async def _stream(state: ServerState, body: ChatCompletionRequest, request_id: s
                 yield chunk([ChatChunkChoice(
                     index=sample.index, delta=delta or DeltaMessage(),
                     logprobs=_logprobs(sample, tokens, top) if top is not None else None,
-                    finish_reason=reason)])
+                    finish_reason=reason)], UsageInfo.of([out]) if body.continuous_usage else None)
         if body.include_usage and latest is not None:
             yield chunk([], UsageInfo.of([latest]))
     except Exception as e:  # reported in the stream: the 200 status is already sent

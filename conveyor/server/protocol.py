@@ -28,8 +28,8 @@ StopStrings = (Annotated[str, Field(max_length=MAX_STOP_CHARS)]
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
-    # vLLM's usage in every chunk: not implemented, refused when asked for (false passes)
-    continuous_usage_stats: Literal[False] = False
+    # vLLM's: with include_usage, every chunk carries the usage so far too
+    continuous_usage_stats: bool = False
 
 
 # -- structured outputs ------------------------------------------------------------------------
@@ -75,8 +75,7 @@ NOT_IMPLEMENTED: dict[str, tuple] = {
     "best_of": (None, 1), "use_beam_search": (None, False), "length_penalty": (None, 1.0),
     "include_stop_str_in_output": (None, False), "skip_special_tokens": (None, True),
     "spaces_between_special_tokens": (None, True), "truncate_prompt_tokens": (None,),
-    "prompt_logprobs": (None,), "allowed_token_ids": (None,), "bad_words": (None, []),
-    "continue_final_message": (None, False), "add_special_tokens": (None,),
+    "allowed_token_ids": (None,), "bad_words": (None, []), "add_special_tokens": (None,),
     "documents": (None,), "chat_template": (None,), "mm_processor_kwargs": (None,),
     "structural_tag": (None,), "guided_decoding_backend": (None,),
     "guided_whitespace_pattern": (None,), "logits_processors": (None,),
@@ -128,6 +127,9 @@ class SamplingFields(BaseModel):
     logit_bias: dict[int, float] | None = Field(None, max_length=1024, description=
                                                 "token id -> a value in [-100, 100] added to "
                                                 "its logit (OpenAI's)")
+    prompt_logprobs: int | None = Field(None, ge=0, le=20, description=
+                                        "vLLM's: each prompt token's logprob and this many "
+                                        "alternatives, in the response's prompt_logprobs")
     priority: int = Field(0, description="lower runs first under --scheduling-policy priority")
     timeout: float | None = Field(None, gt=0, description="seconds; past them the request ends "
                                   "with a 408 (or an error event); capped by --request-timeout")
@@ -142,6 +144,10 @@ class SamplingFields(BaseModel):
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def continuous_usage(self) -> bool:
+        return self.include_usage and self.stream_options.continuous_usage_stats
 
     def constraint(self, tools: tuple[str, dict] | None = None
                    ) -> tuple[StructuredOutputsParams, str] | None:
@@ -187,7 +193,26 @@ class SamplingFields(BaseModel):
             logprobs=logprobs, presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty, structured_outputs=structured,
-            logit_bias=self.logit_bias or None)
+            logit_bias=self.logit_bias or None, prompt_logprobs=self.prompt_logprobs)
+
+
+class PromptLogprob(BaseModel):
+    """One entry of vLLM's ``prompt_logprobs``, keyed by token id."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+PromptLogprobs = list[dict[int, PromptLogprob] | None]
+
+
+def prompt_logprobs_of(out: RequestOutput) -> PromptLogprobs | None:
+    if out.prompt_logprobs is None:
+        return None
+    return [None if entries is None else
+            {tid: PromptLogprob(logprob=lp.logprob, rank=lp.rank, decoded_token=lp.decoded_token)
+             for tid, lp in entries.items()} for entries in out.prompt_logprobs]
 
 
 class PromptTokensDetails(BaseModel):
@@ -214,7 +239,8 @@ class UsageInfo(BaseModel):
 class CompletionRequest(SamplingFields):
     prompt: (str | Annotated[list[str], Field(max_length=MAX_PROMPTS)] | list[int]
              | Annotated[list[list[int]], Field(max_length=MAX_PROMPTS)])
-    max_tokens: int = Field(16, ge=1)
+    max_tokens: int = Field(16, ge=0, description="0 with echo: the prompt alone (with "
+                            "logprobs, its log-likelihood)")
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
 
@@ -231,6 +257,7 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    prompt_logprobs: PromptLogprobs | None = Field(None, exclude_if=lambda v: v is None)
 
 
 class CompletionResponse(BaseModel):
@@ -308,6 +335,9 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     add_generation_prompt: bool = True
+    continue_final_message: bool = Field(False, description=
+                                         "vLLM's: continue the last message's text (with "
+                                         "add_generation_prompt false)")
     # keywords for the chat template (e.g. {"enable_thinking": false}), as vLLM takes them
     chat_template_kwargs: dict[str, Any] | None = None
 
@@ -348,6 +378,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo
+    prompt_logprobs: PromptLogprobs | None = Field(None, exclude_if=lambda v: v is None)
 
 
 class DeltaFunctionCall(BaseModel):
@@ -384,6 +415,8 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatChunkChoice]
     usage: UsageInfo | None = None
+    # (in the first chunk after the prompt's computed)
+    prompt_logprobs: PromptLogprobs | None = Field(None, exclude_if=lambda v: v is None)
 
 
 # -- the rest ----------------------------------------------------------------------------------

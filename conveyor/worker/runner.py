@@ -20,7 +20,7 @@ from conveyor.model.backend import apply_backend
 from conveyor.model.config import ModelConfig
 from conveyor.model.families import network
 from conveyor.model.rope import rope_tables
-from conveyor.worker.sampler import GrammarMask, Sampler, SampleResult
+from conveyor.worker.sampler import GrammarMask, Sampler, SampleResult, ranked_logprobs
 from conveyor.worker.sharding import ffn_granule, kv_heads_per_rank, plan_shards, shard_model
 from conveyor.worker.tensor_parallel import TensorParallel
 
@@ -35,6 +35,10 @@ UNIFIED_CHUNK_WORK = {torch.bfloat16: 256 * 257 // 2, torch.float32: 512 * 513 /
 # (so padding at most doubles a group's attention work), once the group has MIN_DECODE_GROUP.
 DECODE_GROUP_GROWTH = 2.0
 MIN_DECODE_GROUP = 4
+
+# Prompt logprobs take the logits of this many rows at a time (a row is the vocabulary in
+# float32: a whole chunk's at once could take gigabytes).
+PROMPT_LOGITS_ROWS = 128
 
 
 def group_decodes(decodes: list[Request]) -> list[list[Request]]:
@@ -64,6 +68,15 @@ class StepPlan:
     # multi-token chunks: (tokens, tokens already cached, pages of the context or None)
     prefills: list[tuple[int, int, list[int] | None]] = field(default_factory=list)
     logits_rows: list[int] = field(default_factory=list)  # the rows that sample
+    prompt_rows: list[int] = field(default_factory=list)  # the rows whose prompt logprobs count
+
+
+@dataclass
+class StepResult:
+    samples: dict[str, SampleResult]  # by request id, for the requests that sampled
+    # by request id: (the position of its first row, [(next token, logprob, rank), top...] per
+    # row) for the requests that asked for their prompt's logprobs
+    prompt_logprobs: dict[str, tuple[int, list[list[tuple[int, float, int]]]]]
 
 
 def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype,
@@ -130,9 +143,11 @@ class ModelRunner:
         bs, table = self.block_size, request.block_ids
         return [table[p // bs] * bs + p % bs for p in range(start, end)]
 
-    def plan(self, out: SchedulerOutput) -> tuple[StepPlan, list[Request]]:
+    def plan(self, out: SchedulerOutput
+             ) -> tuple[StepPlan, list[Request], list[tuple[Request, int, int]]]:
         """The step as plain lists (what tensor-parallel ranks are sent), decodes first, then
-        chunks; and the requests that sample, in the order of its logits rows."""
+        chunks; the requests that sample, in the order of its logits rows; and the (request,
+        first position, count) of its prompt rows."""
         queries = [r for r, n in out.scheduled if n == 1]
         # The kernel takes each context at its own length, so all decodes form one group.
         decode_groups = (group_decodes(queries) if self.decode_kernel is None
@@ -171,13 +186,19 @@ class ModelRunner:
             plan.prefills.append((n, ctx, r.block_ids[:-(-(ctx + n) // bs)] if ctx else None))
 
         # A request samples when this step brings its computed tokens level with its tokens.
-        sampling, end = [], 0
+        # A prompt position's row gives the next prompt token's logprob.
+        sampling, spans, end = [], [], 0
         for r, n in decodes + chunks:
+            start = r.num_computed_tokens
+            count = min(start + n, r.num_prompt_tokens - 1) - start
+            if r.prompt_logprobs is not None and count > 0:
+                plan.prompt_rows += range(end, end + count)
+                spans.append((r, start, count))
             end += n
             if samples(r, n):
                 plan.logits_rows.append(end - 1)
                 sampling.append(r)
-        return plan, sampling
+        return plan, sampling, spans
 
     def _inputs(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """The plan's token ids, positions and attention metadata as tensors."""
@@ -218,10 +239,10 @@ class ModelRunner:
                  for cos, sin in self.ropes]
         return self.model(ids, ropes, self.kv_caches, meta)
 
-    def logits(self, hidden: torch.Tensor, plan: StepPlan) -> torch.Tensor | None:
-        """The sampling rows' logits; tensor parallel: each rank's share of the vocabulary,
+    def logits(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor | None:
+        """These rows' logits, float32; tensor parallel: each rank's share of the vocabulary,
         gathered whole on rank 0 (None on the others)."""
-        logits = self.model.compute_logits(hidden[self._tensor(plan.logits_rows)])
+        logits = self.model.compute_logits(hidden[self._tensor(rows)])
         if self.tensor_parallel is None:
             return logits
         return self.tensor_parallel.gather(logits, self.vocab_shares)
@@ -231,25 +252,47 @@ class ModelRunner:
         """A tensor-parallel rank above 0: its share of rank 0's step."""
         hidden = self.forward(plan)
         if plan.logits_rows:
-            self.logits(hidden, plan)
+            self.logits(hidden, plan.logits_rows)
+        for i in range(0, len(plan.prompt_rows), PROMPT_LOGITS_ROWS):
+            self.logits(hidden, plan.prompt_rows[i:i + PROMPT_LOGITS_ROWS])
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> dict[str, SampleResult]:
+    def execute(self, out: SchedulerOutput) -> StepResult:
         self.sampler.forget(out.finished_ids)
         if out.is_empty:
-            return {}
-        plan, sampling = self.plan(out)
+            return StepResult({}, {})
+        plan, sampling, spans = self.plan(out)
         if self.tensor_parallel is not None:
             self.tensor_parallel.send(plan)
         pending = self._start_grammar_mask(sampling)
         hidden = self.forward(plan)
-        if not plan.logits_rows:
-            return {}
-        logits = self.logits(hidden, plan)
-        grammar = None
-        if pending is not None:
-            rows, bitmask, job = pending
-            job.result()
-            grammar = GrammarMask(rows, bitmask.to(self.device))
-        results = self.sampler(logits, sampling, grammar)
-        return {r.request_id: res for r, res in zip(sampling, results)}
+        results = []
+        if plan.logits_rows:
+            logits = self.logits(hidden, plan.logits_rows)
+            grammar = None
+            if pending is not None:
+                rows, bitmask, job = pending
+                job.result()
+                grammar = GrammarMask(rows, bitmask.to(self.device))
+            results = self.sampler(logits, sampling, grammar)
+        return StepResult({r.request_id: res for r, res in zip(sampling, results)},
+                          self._prompt_logprobs(hidden, plan.prompt_rows, spans))
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, rows: list[int],
+                         spans: list[tuple[Request, int, int]]) -> dict:
+        """The prompt rows' logprobs of the prompt's next tokens (StepResult.prompt_logprobs),
+        from the model's logits as they are, a slice of rows at a time."""
+        targets = [r.all_token_ids[p + 1] for r, first, count in spans
+                   for p in range(first, first + count)]
+        ks = [r.prompt_logprobs for r, _, count in spans for _ in range(count)]
+        entries = []
+        for i in range(0, len(rows), PROMPT_LOGITS_ROWS):
+            logits = self.logits(hidden, rows[i:i + PROMPT_LOGITS_ROWS])
+            entries += ranked_logprobs(torch.log_softmax(logits, dim=-1),
+                                       targets[i:i + PROMPT_LOGITS_ROWS],
+                                       ks[i:i + PROMPT_LOGITS_ROWS])
+        found, j = {}, 0
+        for r, first, count in spans:
+            found[r.request_id] = (first, entries[j:j + count])
+            j += count
+        return found

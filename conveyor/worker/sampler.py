@@ -47,13 +47,19 @@ class GrammarMask:
     bitmask: torch.Tensor
 
 
-def _logprobs(row: torch.Tensor, tok: int, k: int) -> list[tuple[int, float, int]]:
-    """(token, logprob, rank) of the sampled token, then of the top ``k``."""
-    chosen = float(row[tok])
-    rank = int((row > chosen).sum()) + 1
-    top_vals, top_ids = row.topk(k) if k else (torch.empty(0), torch.empty(0))
-    return [(tok, chosen, rank)] + [(t, v, j + 1) for j, (t, v) in
-                                    enumerate(zip(top_ids.tolist(), top_vals.tolist()))]
+def ranked_logprobs(logprobs: torch.Tensor, tokens: list[int], ks: list[int]
+                    ) -> list[list[tuple[int, float, int]]]:
+    """Per row: (token, logprob, rank) of its token, then of its top ``ks[i]``: one pass over
+    the rows (the sampled tokens' logprobs, and the prompt's)."""
+    index = torch.tensor(tokens, device=logprobs.device).unsqueeze(1)
+    chosen = logprobs.gather(1, index)
+    ranks = ((logprobs > chosen).sum(dim=1) + 1).tolist()
+    top_vals, top_ids = logprobs.topk(max(ks, default=0), dim=1)
+    top_vals, top_ids = top_vals.tolist(), top_ids.tolist()
+    return [[(tok, lp, rank)] + [(t, v, j + 1) for j, (t, v) in
+                                 enumerate(zip(top_ids[i][:k], top_vals[i][:k]))]
+            for i, (tok, lp, rank, k) in enumerate(zip(tokens, chosen.flatten().tolist(),
+                                                       ranks, ks))]
 
 
 def _add_logit_biases(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
@@ -113,8 +119,7 @@ class Sampler:
             logits[broken] = 0.0
         params = [r.sampling_params for r in requests]
         want_logprobs = [p.logprobs for p in params]
-        raw_logprobs = (torch.log_softmax(logits, dim=-1)
-                        if any(k is not None for k in want_logprobs) else None)
+        raw = logits  # logprobs are the model's, before any rule below
 
         # The caller's logits are left as they are: edits below make new tensors.
         logits = _add_logit_biases(logits, params)
@@ -136,13 +141,14 @@ class Sampler:
                 tokens[sampled] = self._sample(logits[sampled], [requests[i] for i in sampled])
 
         token_list = tokens.tolist()
-        results = []
-        for i, (tok, k) in enumerate(zip(token_list, want_logprobs)):
-            try:
-                results.append(SampleResult(tok, None if k is None
-                                            else _logprobs(raw_logprobs[i], tok, k)))
-            except Exception as e:  # this row's failure is its own
-                results.append(SampleResult(tok, error=f"sampling failed: {e}"))
+        results = [SampleResult(tok) for tok in token_list]
+        asked = [i for i, k in enumerate(want_logprobs) if k is not None]
+        if asked:
+            rows = torch.tensor(asked, device=logits.device)
+            for i, entries in zip(asked, ranked_logprobs(
+                    torch.log_softmax(raw[rows], dim=-1), [token_list[i] for i in asked],
+                    [want_logprobs[i] for i in asked])):
+                results[i].logprobs = entries
         for i in broken:
             results[i] = SampleResult(0, error="the model produced non-finite logits (NaN or "
                                                "inf) for this request")
