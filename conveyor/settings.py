@@ -14,10 +14,12 @@ from typing import Any
 
 
 def setting(default: Any, help: str, *, choices: tuple | None = None,
-            short: str | None = None, metavar: str | None = None) -> Any:
-    """A dataclass field that is also a command-line flag (``--field-name``, and ``short``)."""
+            short: str | None = None, metavar: str | None = None, repeat: bool = False) -> Any:
+    """A dataclass field that is also a command-line flag (``--field-name``, and ``short``).
+    repeat: a list's flag may be given again, each time adding to the list (``--x A --x B``)
+    where otherwise the last one says."""
     return dataclasses.field(default=default, metadata={
-        "help": help, "choices": choices, "short": short, "metavar": metavar})
+        "help": help, "choices": choices, "short": short, "metavar": metavar, "repeat": repeat})
 
 
 def flag(name: str) -> str:
@@ -53,6 +55,7 @@ def add_arguments(parser: argparse._ActionsContainer, cls: type,
             continue
         parser.add_argument(*names, dest=f.name, default=f.default, type=kind,
                             nargs="+" if many else None, choices=meta.get("choices"),
+                            action="extend" if many and meta.get("repeat") else "store",
                             metavar=meta.get("metavar"), help=meta["help"] + shown)
 
 

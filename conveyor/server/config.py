@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from conveyor.server.reasoning import PARSERS
@@ -31,6 +32,13 @@ class ServerConfig:
     reasoning_parser: str | None = setting(
         None, "a reasoning model's <think>...</think> goes to the chat message's "
               "reasoning_content (default: none, all is content)", choices=PARSERS)
+    replica_url: list[str] | None = setting(
+        None, "route also to this running `conveyor serve` (another machine's, say) as a "
+              "data-parallel replica; repeatable. --data-parallel-size counts every replica, "
+              "local and by URL (as vLLM's counts every node's): the front starts the rest "
+              "locally, none when it is 1. The front tokenizes with --model's tokenizer (no "
+              "weights loaded); each URL must serve that model (its name checked at start)",
+        metavar="http://HOST:PORT", repeat=True)
 
     def __post_init__(self) -> None:
         check_choices(self)
@@ -42,3 +50,8 @@ class ServerConfig:
             raise ValueError(f"--request-timeout must be > 0, got {self.request_timeout}")
         if self.api_key == "":
             raise ValueError("--api-key must not be empty")
+        if self.replica_url is not None:
+            for url in self.replica_url:
+                if not re.fullmatch(r"https?://[^/\s]+/?", url):
+                    raise ValueError(f"--replica-url must be http://HOST:PORT, got {url!r}")
+            self.replica_url = [url.rstrip("/") for url in self.replica_url]

@@ -63,7 +63,7 @@ def _access_message(settings: ServerConfig, api_key: str | None, dashboard_open:
 
 
 def run_server(config: EngineConfig, settings: ServerConfig) -> None:
-    if config.data_parallel_size > 1:
+    if config.data_parallel_size > 1 or settings.replica_url:
         from conveyor.server.data_parallel.front import run_front
 
         return run_front(config, settings)

@@ -6,6 +6,9 @@ of answer yet (a stream's first chunk comes with its first token; a whole answer
 and the chained hashes of the full pages of prompts it sent there (most recent
 ``PREFIX_BLOCKS``), as the replica's block pool hashes them. A replica holding the first k
 pages of a prompt saves k pages of prefill, so it scores that much less.
+
+A replica the front could not reach (a ``--replica-url`` one gone away) is down: it takes no
+request, and forgets its pages (it may come back empty), until it answers ``/health`` again.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ class ReplicaLoad:
     waiting_tokens: int = 0
     open_requests: int = 0
     pages: OrderedDict[int, None] = field(default_factory=OrderedDict)
+    up: bool = True
 
     def held_pages(self, hashes: list[int]) -> int:
         """How many of the prompt's first pages this replica was sent before."""
@@ -46,6 +50,10 @@ class ReplicaLoad:
             self.pages.popitem(last=False)
 
 
+class NoReplicaUp(RuntimeError):
+    """Every replica is down."""
+
+
 class Router:
     def __init__(self, num_replicas: int, block_size: int) -> None:
         self.replicas = [ReplicaLoad() for _ in range(num_replicas)]
@@ -53,10 +61,10 @@ class Router:
 
     def choose(self, token_ids: list[int]) -> tuple[int, int]:
         """The replica for a prompt, and the prompt tokens it holds already; the request is
-        counted as waiting there until ``started``."""
+        counted as waiting there until ``started``. Raises NoReplicaUp when every one is down."""
         hashes = page_hashes(token_ids, self.block_size)
         held = [r.held_pages(hashes) * self.block_size for r in self.replicas]
-        best = min(range(len(self.replicas)), key=lambda i: (
+        best = min(self.up(), key=lambda i: (
             self.replicas[i].waiting_tokens - held[i], self.replicas[i].open_requests, i))
         replica = self.replicas[best]
         replica.waiting_tokens += len(token_ids)
@@ -70,3 +78,22 @@ class Router:
 
     def finished(self, replica: int) -> None:
         self.replicas[replica].open_requests -= 1
+
+    def withdraw(self, replica: int, num_tokens: int) -> None:
+        """The request ``choose`` sent there never reached it."""
+        self.started(replica, num_tokens)
+        self.finished(replica)
+
+    def up(self) -> list[int]:
+        """The replicas that take requests; raises NoReplicaUp when none does."""
+        up = [i for i, r in enumerate(self.replicas) if r.up]
+        if not up:
+            raise NoReplicaUp("no data-parallel replica is reachable")
+        return up
+
+    def mark_down(self, replica: int) -> None:
+        self.replicas[replica].up = False
+        self.replicas[replica].pages.clear()
+
+    def mark_up(self, replica: int) -> None:
+        self.replicas[replica].up = True
