@@ -11,6 +11,7 @@ import torch
 from conveyor.core.kv_cache_manager import KV_LAYOUTS
 from conveyor.core.scheduler import POLICIES, SCHEDULING_POLICIES, SchedulerConfig
 from conveyor.kernels import isa
+from conveyor.model.config import POOLING_TYPES
 from conveyor.settings import check_choices, setting
 
 _DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
@@ -19,6 +20,7 @@ _UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "kib": 2**10, "m": 1e6, "mb": 1e6,
           "g": 1e9, "gb": 1e9, "gib": 2**30, "t": 1e12, "tb": 1e12, "tib": 2**40}
 # --quantization: GGUF block types gguf-py quantizes to (llama.cpp's reference rounding)
 QUANTIZATIONS = ("q8_0", "q4_1", "q4_0")
+TASKS = ("generate", "embed")
 DEFAULT_CPU_KV_SHARE = 0.25        # of available RAM ...
 DEFAULT_CPU_KV_CAP = 4 * 2**30     # ... but no more than vLLM's CPU default of 4 GiB
 DEFAULT_CUDA_KV_SHARE = 0.8        # of free device memory after the weights
@@ -49,6 +51,14 @@ class EngineConfig:
 
     model: str | None = setting(
         None, "a .gguf file or a Hugging Face folder (default: SmolLM2-135M-Instruct)")
+    task: str = setting(
+        "generate", "generate: text (completions, chat); embed: a vector per input "
+                    "(/v1/embeddings, LLM.embed): the last hidden states pooled, as vLLM's "
+                    "--runner pooling", choices=TASKS)
+    pooling_type: str | None = setting(
+        None, "embed: how a prompt's hidden states become one vector (default: the model's, "
+              "from a sentence-transformers folder or a GGUF; else last)",
+        choices=POOLING_TYPES)
     dtype: str = setting("auto", "the model's dtype", choices=("auto", *_DTYPES))
     block_size: int = setting(16, "tokens per KV page")
     num_kv_blocks: int | None = setting(None, "KV pages in the pool")

@@ -10,7 +10,7 @@ from conveyor.config import EngineConfig
 from conveyor.engine.engine import LLMEngine
 from conveyor.engine.input_processor import Prompt
 from conveyor.outputs import RequestOutput
-from conveyor.sampling_params import SamplingParams
+from conveyor.sampling_params import PoolingParams, SamplingParams
 
 Message = dict[str, str]
 
@@ -28,8 +28,17 @@ class LLM:
     def get_tokenizer(self):
         return self.engine.tokenizer
 
+    def embed(self, prompts: Prompt | list[Prompt], pooling_params: PoolingParams | None = None,
+              use_tqdm: bool = True) -> list[RequestOutput]:
+        """Each prompt's embedding (``.embedding``), under ``task="embed"``: its last hidden
+        states pooled (``pooling_type``), normalised unless ``pooling_params`` says not."""
+        prompts = [prompts] if isinstance(prompts, (str, dict)) else prompts
+        return self.generate(prompts, [pooling_params or PoolingParams()] * len(prompts),
+                             use_tqdm)
+
     def generate(self, prompts: Prompt | list[Prompt],
-                 sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 sampling_params: SamplingParams | list[SamplingParams | PoolingParams]
+                 | None = None,
                  use_tqdm: bool = True, priority: list[int] | None = None) -> list[RequestOutput]:
         """Run every prompt to completion with continuous batching; outputs in input order.
 
@@ -48,7 +57,7 @@ class LLM:
             raise ValueError(f"got {len(priority)} priorities for {len(prompts)} prompts")
         # Validate everything before queueing anything, so a bad prompt loses no work.
         for prompt, params in zip(prompts, sampling_params):
-            self.engine.inputs.check_request(prompt, params)
+            self.engine.check_request(prompt, params)
         ids = []
         for prompt, params, prio in zip(prompts, sampling_params, priority):
             ids.append(str(self._next_id))

@@ -50,3 +50,4 @@ class RequestOutput:
     client_error: bool = False  # ... because of its own input (a constraint it cannot meet)
     # with prompt_logprobs: per prompt token, its logprob and alternatives (None for the first)
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    embedding: list[float] | None = None  # an embedding request's vector, once finished

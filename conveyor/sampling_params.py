@@ -66,6 +66,15 @@ class StructuredOutputsParams:
         return self.kind, text, self.disable_any_whitespace
 
 
+@dataclass(frozen=True)
+class PoolingParams:
+    """An embedding request (``LLM.embed``, ``/v1/embeddings``) in place of sampling: the
+    prompt's last hidden states pooled into one vector (the engine's pooling_type), no token
+    sampled. ``normalize``: scaled to unit length (L2), as vLLM and OpenAI return them."""
+
+    normalize: bool = True
+
+
 @dataclass
 class SamplingParams:
     n: int = 1

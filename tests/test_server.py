@@ -530,3 +530,9 @@ def test_reset_prefix_cache(server, client, model):
     assert httpx.post(f"{server.base_url}/reset_prefix_cache").status_code == 200
     out = client.completions.create(model=model, prompt=prompt, max_tokens=1, **GREEDY)
     assert out.usage.prompt_tokens_details.cached_tokens == 0
+
+
+def test_embeddings_on_a_generation_server_are_a_clear_400(client, model):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.embeddings.create(model=model, input="hello")
+    assert "--task embed" in e.value.body["message"]

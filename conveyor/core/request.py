@@ -59,6 +59,14 @@ class Request:
         # the prompt's logprobs, with this many alternatives, are computed for this sample (the
         # first of n: the others would repeat them)
         self.prompt_logprobs: int | None = None
+        # an embedding request: its prompt's hidden states pooled this way (POOLING_TYPES); it
+        # samples nothing and ends when its prompt is computed
+        self.pooling: str | None = None
+
+    @property
+    def computes_whole_prompt(self) -> bool:
+        """It reads every prompt position's output, so no prefix-cache hit may skip one."""
+        return self.prompt_logprobs is not None or self.pooling in ("mean", "cls")
 
     @property
     def constrained(self) -> bool:

@@ -50,8 +50,9 @@ def is_decode(request: Request, num_new_tokens: int) -> bool:
 
 def samples(request: Request, num_new_tokens: int) -> bool:
     """The step samples a token for this request: it brings its computed tokens level with its
-    known tokens (a prompt chunk short of the end yields no token)."""
-    return request.num_computed_tokens + num_new_tokens == request.num_tokens
+    known tokens (a prompt chunk short of the end yields no token; an embedding none)."""
+    return (request.num_computed_tokens + num_new_tokens == request.num_tokens
+            and request.pooling is None)
 
 
 @dataclass
@@ -205,8 +206,7 @@ class Scheduler:
                 if not sibling.is_finished and sibling.num_computed_tokens < sibling.num_prompt_tokens:
                     break  # its prompt pages are about to be cached: reuse, don't recompute
                 request.waits_for_prefill_of = None
-            # (a request that wants its prompt's logprobs computes every prompt token)
-            cached = ([] if request.prompt_logprobs is not None
+            cached = ([] if request.computes_whole_prompt
                       else self.kv.find_cached_prefix(request))
             hit = len(cached) * self.kv.block_size
             n = min(request.num_tokens - hit, budget)

@@ -26,13 +26,15 @@ from conveyor.engine.detokenizer import IncrementalDetokenizer
 from conveyor.engine.input_processor import InputProcessor, Prompt, check_chat_template
 from conveyor.model.loader import load_model
 from conveyor.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from conveyor.sampling_params import SamplingParams
+from conveyor.sampling_params import PoolingParams, SamplingParams
 from conveyor.worker.rank import run_worker
 from conveyor.worker.runner import ModelRunner, kv_bytes_per_block
 from conveyor.worker.tensor_parallel import TensorParallel
 
 logger = logging.getLogger("conveyor")
 
+# what an embedding request is scheduled as: its prompt, and room for one token it never samples
+_EMBEDDING = SamplingParams(max_tokens=1)
 STEP_HISTORY = 20_000  # per-step records kept for /v1/engine/steps (a few MB at most)
 
 
@@ -54,6 +56,9 @@ class _RequestState:
     error: str | None = None
     client_error: bool = False  # the error is the request's own input's fault
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # filled as chunks run
+    pooling: PoolingParams | None = None  # an embedding request
+    pooled: torch.Tensor | None = None    # its vector so far (mean pooling: the sum)
+    embedding: list[float] | None = None
 
     @property
     def finished(self) -> bool:
@@ -103,6 +108,8 @@ class LLMEngine:
         self.tokenizer = loaded.tokenizer
         check_chat_template(self.tokenizer, loaded.name)
         self.eos_token_ids = frozenset(loaded.eos_token_ids)
+        # embeddings: the flag's pooling, else the model's, else the last token's (vLLM's)
+        self.pooling_type = config.pooling_type or loaded.config.pooling_type or "last"
         self.grammars = GrammarCompiler(self.tokenizer, loaded.config.vocab_size,
                                         self.eos_token_ids)
         self.device = config.torch_device()
@@ -147,14 +154,19 @@ class LLMEngine:
             self.tensor_parallel.close()
 
     # -- requests ------------------------------------------------------------------------------
-    def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams,
+    def add_request(self, request_id: str, prompt: Prompt,
+                    params: SamplingParams | PoolingParams,
                     arrival_time: float | None = None, priority: int = 0) -> None:
-        """Validate and queue a request; raises ValueError (and queues nothing) on bad input."""
+        """Validate and queue a request (``PoolingParams``: an embedding, under task embed);
+        raises ValueError (and queues nothing) on bad input."""
         if request_id in self._states:
             raise ValueError(f"request id {request_id!r} is already in use")
-        text, ids = self.inputs.check_request(prompt, params)
+        text, ids = self.check_request(prompt, params)
+        pooling = params if isinstance(params, PoolingParams) else None
+        if pooling is not None:  # scheduled as a prompt that samples nothing
+            params = _EMBEDDING
         arrival = time.monotonic() if arrival_time is None else arrival_time
-        state = _RequestState(request_id, text, ids, [])
+        state = _RequestState(request_id, text, ids, [], pooling=pooling)
         for i in range(params.n):
             sample_params = params if params.n == 1 else dataclasses.replace(
                 params, n=1, seed=None if params.seed is None else params.seed + i)
@@ -168,6 +180,8 @@ class LLMEngine:
             state.samples.append(_Sample(
                 request, IncrementalDetokenizer(self.tokenizer, ids, sample_params.stop_strings),
                 [] if sample_params.logprobs is not None else None))
+        if pooling is not None:
+            state.samples[0].request.pooling = self.pooling_type
         if params.prompt_logprobs is not None:
             state.samples[0].request.prompt_logprobs = params.prompt_logprobs
             state.prompt_logprobs = [None] * len(ids)
@@ -176,6 +190,18 @@ class LLMEngine:
             self.scheduler.add_request(sample.request)
             self.timeline.arrive(sample.request)
             self._live_samples[sample.request.request_id] = (state, sample)
+
+    def check_request(self, prompt: Prompt, params: SamplingParams | PoolingParams
+                      ) -> tuple[str | None, list[int]]:
+        """The prompt's text and token ids, checked against the engine's limits and task;
+        ValueError naming what is wrong."""
+        pooling = isinstance(params, PoolingParams)
+        if pooling != (self.config.task == "embed"):
+            raise ValueError(f"this engine's task is {self.config.task}: "
+                             + ("embeddings need an engine started with task embed "
+                                "(conveyor serve --task embed)" if pooling else
+                                "it embeds, it does not generate text"))
+        return self.inputs.check_request(prompt, _EMBEDDING if pooling else params)
 
     def abort_request(self, request_id: str) -> None:
         state = self._states.pop(request_id, None)
@@ -210,6 +236,8 @@ class LLMEngine:
         for victim in sched.preempted:
             logger.info("preempted %s (%d tokens) to free KV pages", victim.request_id,
                         victim.num_tokens)
+            if victim.pooling is not None:  # its prompt is computed again from the start
+                self._live_samples[victim.request_id][0].pooled = None
         tp = self.tensor_parallel
         before = (0.0, 0.0) if tp is None else (tp.all_reduce_seconds, tp.communication_seconds)
         ran = self.runner.execute(sched)
@@ -228,6 +256,11 @@ class LLMEngine:
                 state = self._live_samples[rid][0]
                 state.prompt_logprobs[first + 1:first + 1 + len(rows)] = [
                     self._logprobs(entries) for entries in rows]
+        for request, _ in sched.scheduled:
+            if request.pooling is not None and request.request_id in self._live_samples:
+                state = self._pool(request, ran.pooled.get(request.request_id), now)
+                if state is not None:
+                    touched[state.request_id] = state
         for rid, result in results.items():
             if result.error is not None and rid in self._live_samples:
                 state = self._fail(rid, result.error, now)
@@ -279,6 +312,25 @@ class LLMEngine:
         if request.is_finished:
             self._retire(request, now)
 
+    def _pool(self, request: Request, part: torch.Tensor | None, now: float
+              ) -> _RequestState | None:
+        """An embedding request's step: its share of the vector added; once its prompt is
+        computed, the vector finished and the request ended (its state, then)."""
+        state = self._live_samples[request.request_id][0]
+        if part is not None:
+            state.pooled = part if state.pooled is None else state.pooled + part
+        if request.num_computed_tokens < request.num_prompt_tokens:
+            return None
+        vector = state.pooled
+        if request.pooling == "mean":
+            vector = vector / request.num_prompt_tokens
+        if state.pooling.normalize:
+            vector = torch.nn.functional.normalize(vector, dim=0)
+        state.embedding = vector.tolist()
+        self.scheduler.finish_request(request, RequestStatus.FINISHED_STOPPED)
+        self._retire(request, now)
+        return state
+
     def _logprobs(self, entries: list[tuple[int, float, int]]) -> dict[int, Logprob]:
         return {tid: Logprob(lp, rank, self.tokenizer.decode([tid])) for tid, lp, rank in entries}
 
@@ -329,4 +381,5 @@ class LLMEngine:
         cached = [s.request.num_cached_tokens for s in state.samples]
         return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, completions,
                              finished, merged, max((c for c in cached if c is not None), default=0),
-                             state.error, state.client_error, state.prompt_logprobs)
+                             state.error, state.client_error, state.prompt_logprobs,
+                             state.embedding)

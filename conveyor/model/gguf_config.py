@@ -123,6 +123,7 @@ def gguf_config(reader: GGUFFile) -> ModelConfig:
         local_rope_theta=10000.0 if arch == "gemma3" else None,
         output_bias="blk.0.attn_output.bias" in tensors,
         rotary_dim=None if rotary == head_dim else rotary,
+        pooling_type=_gguf_pooling(reader, arch),
     )
     if not gemma and (config.attn_softcap or config.final_softcap):
         raise ValueError(f"GGUF soft-capping is not implemented for {arch}")
@@ -158,7 +159,17 @@ def _longrope(reader: GGUFFile, arch: str, tensors: dict, rotary: int) -> dict[s
 _READ = frozenset({"context_length", "embedding_length", "block_count", "feed_forward_length",
                    "attention.head_count", "attention.head_count_kv", "attention.key_length",
                    "attention.layer_norm_rms_epsilon", "rope.freq_base", "rope.scaling.type",
-                   "vocab_size", "attn_logit_softcapping", "final_logit_softcapping"})
+                   "vocab_size", "attn_logit_softcapping", "final_logit_softcapping",
+                   "pooling_type"})
+# llama.cpp's enum llama_pooling_type (0: none, a vector per token, is no pooling to follow)
+_GGUF_POOLING = {0: None, 1: "mean", 2: "cls", 3: "last"}
+
+
+def _gguf_pooling(reader: GGUFFile, arch: str) -> str | None:
+    value = metadata_number(reader, f"{arch}.pooling_type", None, zero=True)
+    if value is not None and value not in _GGUF_POOLING:  # (4: a reranker's)
+        raise ValueError(f"GGUF metadata {arch}.pooling_type = {value} is not implemented")
+    return _GGUF_POOLING.get(value)
 # The architectures whose sliding window llama.cpp applies (Llama's and Qwen's it ignores:
 # there the key is refused, not followed in a way llama.cpp does not).
 _WINDOWED = ("phi3", "gemma2", "gemma3")

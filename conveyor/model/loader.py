@@ -6,7 +6,7 @@ import importlib.util
 import json
 import os
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import gguf
 import safetensors.torch
@@ -174,9 +174,31 @@ def _load_gguf(path: str) -> LoadedModel:
     )
 
 
+def _sentence_transformers_pooling(folder: str) -> str | None:
+    """The pooling a sentence-transformers folder declares (its Pooling module's config)."""
+    try:
+        with open(os.path.join(folder, "modules.json")) as f:
+            modules = json.load(f)
+        module = next(m for m in modules if m.get("type", "").endswith(".Pooling"))
+        with open(os.path.join(folder, module.get("path", ""), "config.json")) as f:
+            pooling = json.load(f)
+    except (OSError, ValueError, StopIteration):
+        return None
+    modes = {"pooling_mode_lasttoken": "last", "pooling_mode_mean_tokens": "mean",
+             "pooling_mode_cls_token": "cls"}
+    chosen = [mode for key, mode in modes.items() if pooling.get(key)]
+    others = [k for k, v in pooling.items() if k.startswith("pooling_mode") and v
+              and k not in modes]
+    if others or len(chosen) > 1:
+        raise ValueError(f"{folder}: sentence-transformers pooling {others or chosen} is not "
+                         f"implemented (one of {sorted(modes)})")
+    return chosen[0] if chosen else None
+
+
 def _load_hf_folder(folder: str) -> LoadedModel:
     raw_config = _read_hf_config(folder)
-    config = ModelConfig.from_hf_config(raw_config)
+    config = replace(ModelConfig.from_hf_config(raw_config),
+                     pooling_type=_sentence_transformers_pooling(folder))
 
     weights = _hf_weights(_read_safetensors(folder), config)
     check_weights(weights, config)

@@ -17,6 +17,7 @@ from conveyor.server.access import DEFAULT_MAX_BODY_BYTES, AdmissionGate, ApiKey
 from conveyor.server.chat import create_chat_completion
 from conveyor.server.completions import create_completion
 from conveyor.server.dashboard import dashboard_router, mount_static
+from conveyor.server.embeddings import EmbeddingRequest, EmbeddingResponse, create_embedding
 from conveyor.server.engine_thread import EngineDead
 from conveyor.server.errors import APIError, install_error_handlers
 from conveyor.server.protocol import (
@@ -75,7 +76,8 @@ def build_app(state: ServerState, ready_message: str = "", api_key: str | None =
     # added innermost first: the key, then the gate (for callers with the key), then the
     # size limit, which is the first to read a body
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
-    app.add_middleware(AdmissionGate, paths=("/v1/completions", "/v1/chat/completions"),
+    app.add_middleware(AdmissionGate, paths=("/v1/completions", "/v1/chat/completions",
+                                             "/v1/embeddings"),
                        refusal=refusal)
     app.add_middleware(ApiKeyGuard, api_key=api_key, dashboard_open=dashboard_open)
 
@@ -140,6 +142,11 @@ def build_app(state: ServerState, ready_message: str = "", api_key: str | None =
               responses=_GENERATE_RESPONSES)
     async def chat_completions(body: ChatCompletionRequest, raw: Request):
         return await create_chat_completion(body, raw, state)
+
+    @app.post("/v1/embeddings", response_model=EmbeddingResponse, responses=_GENERATE_RESPONSES,
+              summary="a vector per input (a server started with --task embed; 400 otherwise)")
+    async def embeddings(body: EmbeddingRequest, raw: Request):
+        return await create_embedding(body, raw, state)
 
     app.openapi = lambda: _openapi(app)
     return app

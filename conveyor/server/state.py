@@ -72,7 +72,7 @@ class ServerState:
         """Tokenize and check against the engine's limits, as the engine would on add;
         ``limit_param`` is named when prompt plus output would exceed ``max_model_len``."""
         try:
-            return self.engine.inputs.check_request(prompt, params)
+            return self.engine.check_request(prompt, params)
         except ValueError as e:
             message = str(e)
             name = ("n" if message.startswith("n (") else

@@ -77,6 +77,9 @@ class StepResult:
     # by request id: (the position of its first row, [(next token, logprob, rank), top...] per
     # row) for the requests that asked for their prompt's logprobs
     prompt_logprobs: dict[str, tuple[int, list[list[tuple[int, float, int]]]]]
+    # by request id, for embedding requests: this step's share of the pooled vector (float32;
+    # the sum of its rows for mean pooling)
+    pooled: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype,
@@ -143,11 +146,11 @@ class ModelRunner:
         bs, table = self.block_size, request.block_ids
         return [table[p // bs] * bs + p % bs for p in range(start, end)]
 
-    def plan(self, out: SchedulerOutput
-             ) -> tuple[StepPlan, list[Request], list[tuple[Request, int, int]]]:
+    def plan(self, out: SchedulerOutput) -> tuple[StepPlan, list[Request], list[tuple], list]:
         """The step as plain lists (what tensor-parallel ranks are sent), decodes first, then
-        chunks; the requests that sample, in the order of its logits rows; and the (request,
-        first position, count) of its prompt rows."""
+        chunks; the requests that sample, in the order of its logits rows; the (request, first
+        position, count) of its prompt rows; and (request, first position, count, first row)
+        of its embedding requests' tokens."""
         queries = [r for r, n in out.scheduled if n == 1]
         # The kernel takes each context at its own length, so all decodes form one group.
         decode_groups = (group_decodes(queries) if self.decode_kernel is None
@@ -187,18 +190,20 @@ class ModelRunner:
 
         # A request samples when this step brings its computed tokens level with its tokens.
         # A prompt position's row gives the next prompt token's logprob.
-        sampling, spans, end = [], [], 0
+        sampling, spans, pooled, end = [], [], [], 0
         for r, n in decodes + chunks:
             start = r.num_computed_tokens
             count = min(start + n, r.num_prompt_tokens - 1) - start
             if r.prompt_logprobs is not None and count > 0:
                 plan.prompt_rows += range(end, end + count)
                 spans.append((r, start, count))
+            if r.pooling is not None:
+                pooled.append((r, start, n, end))
             end += n
             if samples(r, n):
                 plan.logits_rows.append(end - 1)
                 sampling.append(r)
-        return plan, sampling, spans
+        return plan, sampling, spans, pooled
 
     def _inputs(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """The plan's token ids, positions and attention metadata as tensors."""
@@ -261,7 +266,7 @@ class ModelRunner:
         self.sampler.forget(out.finished_ids)
         if out.is_empty:
             return StepResult({}, {})
-        plan, sampling, spans = self.plan(out)
+        plan, sampling, spans, pooled = self.plan(out)
         if self.tensor_parallel is not None:
             self.tensor_parallel.send(plan)
         pending = self._start_grammar_mask(sampling)
@@ -276,7 +281,8 @@ class ModelRunner:
                 grammar = GrammarMask(rows, bitmask.to(self.device))
             results = self.sampler(logits, sampling, grammar)
         return StepResult({r.request_id: res for r, res in zip(sampling, results)},
-                          self._prompt_logprobs(hidden, plan.prompt_rows, spans))
+                          self._prompt_logprobs(hidden, plan.prompt_rows, spans),
+                          _pool(hidden, pooled))
 
     def _prompt_logprobs(self, hidden: torch.Tensor, rows: list[int],
                          spans: list[tuple[Request, int, int]]) -> dict:
@@ -296,3 +302,18 @@ class ModelRunner:
             found[r.request_id] = (first, entries[j:j + count])
             j += count
         return found
+
+
+def _pool(hidden: torch.Tensor, spans: list[tuple[Request, int, int, int]]
+          ) -> dict[str, torch.Tensor]:
+    """Each embedding request's share of its vector from this step's rows (StepResult.pooled):
+    mean pooling sums every row, cls takes the prompt's first, last its last."""
+    found = {}
+    for r, start, n, row in spans:
+        if r.pooling == "mean":
+            found[r.request_id] = hidden[row:row + n].float().sum(dim=0)
+        elif r.pooling == "cls" and start == 0:
+            found[r.request_id] = hidden[row].float()
+        elif r.pooling == "last" and start + n == r.num_prompt_tokens:
+            found[r.request_id] = hidden[row + n - 1].float()
+    return found

@@ -1,0 +1,89 @@
+"""``POST /v1/embeddings``: a vector per input, from a server started with ``--task embed``
+(the prompt's last hidden states pooled and normalised, see ``PoolingParams``)."""
+
+from __future__ import annotations
+
+import base64
+import time
+from typing import Annotated, Any, Literal
+
+import numpy as np
+from fastapi import Request, Response
+from pydantic import BaseModel, Field, model_validator
+
+from conveyor.sampling_params import PoolingParams
+from conveyor.server.errors import bad_request
+from conveyor.server.protocol import MAX_PROMPTS, UnimplementedField
+from conveyor.server.state import ServerState, collect
+
+
+class EmbeddingRequest(BaseModel):
+    """OpenAI's embeddings request."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unimplemented(cls, data: Any) -> Any:
+        # OpenAI's shortened vectors (Matryoshka models): no model served here is trained so
+        if isinstance(data, dict) and data.get("dimensions") is not None:
+            raise UnimplementedField("dimensions", data["dimensions"])
+        return data
+
+    model: str | None = None
+    input: (str | Annotated[list[str], Field(min_length=1, max_length=MAX_PROMPTS)]
+            | Annotated[list[int], Field(min_length=1)]
+            | Annotated[list[list[int]], Field(min_length=1, max_length=MAX_PROMPTS)])
+    encoding_format: Literal["float", "base64"] = Field(
+        "float", description="base64: the float32 vector's little-endian bytes")
+    user: str | None = None
+
+
+class Embedding(BaseModel):
+    object: Literal["embedding"] = "embedding"
+    embedding: list[float] | str
+    index: int
+
+
+class EmbeddingUsage(BaseModel):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingResponse(BaseModel):
+    id: str
+    object: Literal["list"] = "list"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    data: list[Embedding]
+    usage: EmbeddingUsage
+
+
+def _inputs(given: str | list[str] | list[int] | list[list[int]]) -> list:
+    if isinstance(given, str) or isinstance(given[0], int):
+        return [given]
+    return list(given)
+
+
+def _encoded(vector: list[float], encoding: str) -> list[float] | str:
+    if encoding == "float":
+        return vector
+    return base64.b64encode(np.asarray(vector, dtype="<f4").tobytes()).decode()
+
+
+async def create_embedding(body: EmbeddingRequest, raw: Request, state: ServerState
+                           ) -> Response | EmbeddingResponse:
+    state.check_model(body.model)
+    if state.engine.config.task != "embed":
+        raise bad_request("this server generates text; embeddings need a server started with "
+                          "--task embed", "input", "wrong_task")
+    params = PoolingParams()
+    checked = [state.check_prompt(p, params, "input") for p in _inputs(body.input)]
+    request_id, submission = state.submit("embd", [ids for _, ids in checked], params)
+    finals = await collect(raw, submission, len(checked))
+    if finals is None:
+        return Response(status_code=499)
+    tokens = sum(len(ids) for _, ids in checked)
+    return EmbeddingResponse(
+        id=request_id, model=state.model_name,
+        data=[Embedding(embedding=_encoded(out.embedding, body.encoding_format), index=i)
+              for i, out in enumerate(finals)],
+        usage=EmbeddingUsage(prompt_tokens=tokens, total_tokens=tokens))

@@ -1,0 +1,117 @@
+"""Embeddings (``--task embed``, ``LLM.embed``, ``/v1/embeddings``) against transformers' last
+hidden states, pooled and normalised."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import httpx
+import openai
+import pytest
+import torch
+import transformers
+from engine_checks import assert_no_leak
+from server_process import running_server
+from tiny_models import TINY_VOCAB, make_tiny_checkpoint, make_tiny_model, write_gguf
+
+from conveyor import LLM
+from conveyor.model.loader import default_model_path, load_config
+from conveyor.sampling_params import PoolingParams, SamplingParams
+
+TOLERANCE = 1e-4  # float32 both sides
+
+
+def pooled(hidden: torch.Tensor, pooling: str, normalize: bool = True) -> torch.Tensor:
+    vector = {"last": hidden[-1], "mean": hidden.mean(dim=0), "cls": hidden[0]}[pooling]
+    return torch.nn.functional.normalize(vector, dim=0) if normalize else vector
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> tuple[str, transformers.PreTrainedModel]:
+    path = make_tiny_checkpoint(tmp_path_factory.mktemp("tiny-llama"), "llama")
+    return path, transformers.AutoModel.from_pretrained(path, dtype=torch.float32).eval()
+
+
+@pytest.mark.parametrize("pooling", ["last", "mean", "cls"])
+def test_llm_embed_matches_transformers_through_chunks_and_preemption(tiny, pooling):
+    path, hf = tiny
+    prompts = [[(31 * i + 7 * j) % 49000 + 50 for i in range(length)]
+               for j, length in enumerate((70, 9, 1, 33, 64, 64))]
+    # 16 tokens a step: prompts in chunks, several in a step
+    llm = LLM(model=path, dtype="float32", num_kv_blocks=12, max_model_len=128,
+              max_num_batched_tokens=16, max_num_seqs=4, task="embed", pooling_type=pooling)
+    outs = llm.embed([{"prompt_token_ids": p} for p in prompts], use_tqdm=False)
+    for prompt, out in zip(prompts, outs):
+        with torch.no_grad():
+            hidden = hf(torch.tensor([prompt])).last_hidden_state[0]
+        got = torch.tensor(out.embedding)
+        assert (got - pooled(hidden, pooling)).abs().max() < TOLERANCE
+        assert out.finished and out.outputs[0].token_ids == []
+    raw = llm.embed({"prompt_token_ids": prompts[1]}, PoolingParams(normalize=False),
+                    use_tqdm=False)[0]
+    with torch.no_grad():
+        hidden = hf(torch.tensor([prompts[1]])).last_hidden_state[0]
+    assert (torch.tensor(raw.embedding) - pooled(hidden, pooling, False)).abs().max() < 1e-3
+    assert_no_leak(llm)
+    with pytest.raises(ValueError, match="embeds, it does not generate"):
+        llm.generate("hello", SamplingParams(max_tokens=2), use_tqdm=False)
+
+
+def test_the_models_own_pooling_is_read(tmp_path):
+    """A sentence-transformers folder's Pooling module and a GGUF's pooling_type."""
+    folder = make_tiny_checkpoint(tmp_path / "st", "llama")
+    os.makedirs(os.path.join(folder, "1_Pooling"))
+    with open(os.path.join(folder, "modules.json"), "w") as f:
+        json.dump([{"idx": 0, "name": "0", "path": "", "type":
+                    "sentence_transformers.models.Transformer"},
+                   {"idx": 1, "name": "1", "path": "1_Pooling", "type":
+                    "sentence_transformers.models.Pooling"}], f)
+    with open(os.path.join(folder, "1_Pooling", "config.json"), "w") as f:
+        json.dump({"pooling_mode_mean_tokens": True, "pooling_mode_cls_token": False}, f)
+    llm = LLM(model=folder, dtype="float32", num_kv_blocks=16, max_model_len=64, task="embed")
+    assert llm.engine.pooling_type == "mean"
+    model = make_tiny_model("llama", vocab_size=len(TINY_VOCAB))
+    for value, name in ((1, "mean"), (2, "cls"), (3, "last")):
+        path = write_gguf(str(tmp_path / f"p{value}.gguf"), model, tokenizer=True,
+                          metadata={"pooling_type": value})
+        assert load_config(path).pooling_type == name
+
+
+# -- the server --------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def server():
+    with running_server("--task", "embed", "--dtype", "float32") as proc:
+        yield proc
+
+
+def test_embeddings_match_transformers_last_token_pooled(client, model):
+    path = default_model_path()
+    folder, name = os.path.dirname(path), os.path.basename(path)
+    hf = transformers.AutoModel.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    texts = ["Continuous batching admits requests at every step.", "A cat.", "Paged KV"]
+    # the client asks for base64 unless told otherwise; both encodings carry the same vector
+    response = client.embeddings.create(model=model, input=texts)
+    floats = client.embeddings.create(model=model, input=texts, encoding_format="float")
+    assert [d.index for d in response.data] == [0, 1, 2]
+    total = 0
+    for text, got, also in zip(texts, response.data, floats.data):
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        total += len(ids)
+        with torch.no_grad():
+            hidden = hf(torch.tensor([ids])).last_hidden_state[0]
+        assert (torch.tensor(got.embedding) - pooled(hidden, "last")).abs().max() < 1e-3
+        assert got.embedding == pytest.approx(also.embedding, abs=1e-7)
+    assert response.usage.prompt_tokens == response.usage.total_tokens == total
+
+
+def test_embedding_errors(server, client, model):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.embeddings.create(model=model, input="x", dimensions=8)
+    assert e.value.body["param"] == "dimensions"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.embeddings.create(model=model, input=[])
+    r = httpx.post(f"{server.base_url}/v1/completions", json={"prompt": "x", "max_tokens": 1},
+                   timeout=30)
+    assert r.status_code == 400 and "embeds" in r.json()["error"]["message"], r.text
