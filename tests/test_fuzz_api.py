@@ -44,6 +44,8 @@ from server_process import ServerProcess
 
 from conveyor.server.errors import APIError, _validation_error
 from conveyor.server.protocol import NOT_IMPLEMENTED, ChatCompletionRequest, CompletionRequest
+from conveyor.server.responses import to_chat
+from conveyor.server.responses_protocol import RESPONSES_NOT_IMPLEMENTED, ResponsesRequest
 
 pytestmark = pytest.mark.slow
 
@@ -310,7 +312,7 @@ def cap_generation(body: object) -> None:
     def whole(value: object) -> bool:  # what pydantic takes as an int: 5 and 5.0, not True
         return type(value) is int or (type(value) is float and value.is_integer())
 
-    for key in ("max_tokens", "max_completion_tokens"):
+    for key in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
         value = body.get(key)
         if whole(value) and TOKEN_CAP < value <= MAX_MODEL_LEN:
             if whole(body.get("min_tokens")) and body["min_tokens"] > TOKEN_CAP:
@@ -425,6 +427,15 @@ def refine_schema(raw: dict, model_name: str) -> dict:
     _tighten(message.get("content"), string={"maxLength": 60}, array={"maxItems": 3})
     _tighten(schemas.get("TextContentPart", {}).get("properties", {}).get("text"),
              string={"maxLength": 40})
+    responses = schemas.get("ResponsesRequest", {}).get("properties", {})
+    _tighten(responses.get("model"), string={"enum": [model_name]})
+    _tighten(responses.get("max_output_tokens"), integer={"maximum": MAX_MODEL_LEN // 2})
+    _tighten(responses.get("input"), string={"maxLength": 40}, array={"maxItems": 3})
+    _tighten(responses.get("instructions"), string={"maxLength": 40})
+    short = {"string": {"maxLength": 40}, "array": {"maxItems": 3}}
+    for name, key in (("InputMessage", "content"), ("InputText", "text"),
+                      ("FunctionCallInput", "arguments"), ("FunctionCallOutputInput", "output")):
+        _tighten(schemas.get(name, {}).get("properties", {}).get(key), **short)
     return raw
 
 
@@ -471,7 +482,7 @@ def _run(target: Target) -> None:
                 chunk[-3000:] for chunk in log.split("Traceback (most recent call last)")[1:4]))
     documented = {(m.upper(), p) for p, ops in raw["paths"].items() for m in ops}
     assert tested == documented, "schemathesis skipped operations"
-    assert {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health",
+    assert {"/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/models", "/health",
             "/metrics"} <= set(raw["paths"])
     assert not failures, "\n\n".join(f"== {label}:\n{exc}" for label, exc in failures.items())
 
@@ -608,6 +619,12 @@ RAW_BODIES = {
                            '"n": 2, "stream": true}'),
     "top_logprobs 20": ("/v1/chat/completions", '{' + CHAT + ', "max_tokens": 2, '
                         '"logprobs": true, "top_logprobs": 20, "stream": true}'),
+    "nan temperature, responses": ("/v1/responses", '{"input": "Hi", "max_output_tokens": 2, '
+                                   '"temperature": NaN}'),
+    "lone surrogate input": ("/v1/responses", '{"input": [{"role": "user", "content": '
+                             '[{"type": "input_text", "text": "\\ud800"}]}], '
+                             '"max_output_tokens": 2, "stream": true}'),
+    "empty input": ("/v1/responses", '{"input": [], "max_output_tokens": 2}'),
     "empty content parts": ("/v1/chat/completions",
                             '{"messages": [{"role": "user", "content": []}], "max_tokens": 2}'),
     "null content": ("/v1/chat/completions",
@@ -653,7 +670,7 @@ def test_raw_bodies(open_server, name):
                 assert "error" not in event or (
                     event["error"].get("code") not in INTERNAL_CODES), detail
     else:
-        assert r.json().get("choices") is not None, detail
+        assert r.json().get("choices" if "responses" not in path else "output") is not None, detail
 
 
 # -- the request models, in-process --------------------------------------------------------------
@@ -755,6 +772,32 @@ CHAT_BODIES = body_of(
      "add_generation_prompt": mostly(st.booleans())})
 
 
+RESPONSE_ITEM = mostly(
+    st.fixed_dictionaries({"role": mostly(st.sampled_from(["user", "assistant", "developer"])),
+                           "content": mostly(TEXT | st.lists(st.fixed_dictionaries({
+                               "type": mostly(st.sampled_from(["input_text", "output_text"])),
+                               "text": mostly(TEXT)}), max_size=2))},
+                          optional={"type": mostly(st.just("message"))})
+    | st.fixed_dictionaries({"type": st.just("function_call"), "call_id": mostly(TEXT),
+                             "name": mostly(TEXT), "arguments": mostly(TEXT)})
+    | st.fixed_dictionaries({"type": st.just("function_call_output"), "call_id": mostly(TEXT),
+                             "output": mostly(TEXT)}))
+RESPONSES_BODIES = body_of(
+    {"input": TEXT | st.lists(RESPONSE_ITEM, max_size=4)},
+    {key: SAMPLING_FIELDS[key] for key in ("model", "temperature", "top_p", "stream", "user")}
+    | {"max_output_tokens": mostly(st.none() | ints(1, 2048)),
+       "instructions": mostly(st.none() | TEXT),
+       "store": mostly(st.none() | st.booleans()),
+       "previous_response_id": mostly(st.none() | TEXT),
+       "background": mostly(st.none() | st.booleans()),
+       "tool_choice": mostly(st.sampled_from(["none", "auto", "required"])
+                             | st.fixed_dictionaries({"type": st.just("function"),
+                                                      "name": mostly(TEXT)})),
+       "text": mostly(st.fixed_dictionaries({"format": mostly(st.fixed_dictionaries(
+           {"type": mostly(st.sampled_from(["text", "json_object", "json_schema"]))},
+           optional={"name": mostly(TEXT), "schema": mostly(JSON)}))}))})
+
+
 def parse_like_fastapi(model: type, body: object) -> None:
     """Validate as FastAPI does a JSON body (loc prefixed with "body"), and translate the
     failure as the server's handler does; a failure must come out a 400 in OpenAI's shape."""
@@ -771,8 +814,14 @@ def parse_like_fastapi(model: type, body: object) -> None:
         assert error_shape_problem(payload) is None, payload
         # (a field the server refuses as not implemented is not one of the model's)
         assert payload["error"]["param"] is None or payload["error"]["param"] in (
-            *model.model_fields, *NOT_IMPLEMENTED), payload
+            *model.model_fields, *NOT_IMPLEMENTED, *RESPONSES_NOT_IMPLEMENTED), payload
         return
+    if isinstance(request, ResponsesRequest):
+        try:
+            request = to_chat(request)
+        except APIError as e:
+            assert e.status == 400 and error_shape_problem(json.loads(e.response().body)) is None
+            return
     # What the handlers do next without a model: SamplingParams may refuse (a ValueError, which
     # ServerState.sampling_params turns into a 400), nothing else.
     if isinstance(request, CompletionRequest):
@@ -804,6 +853,12 @@ def test_chat_request_parser(body):
     parse_like_fastapi(ChatCompletionRequest, body)
 
 
+@PARSER_SETTINGS
+@given(RESPONSES_BODIES)
+def test_responses_request_parser(body):
+    parse_like_fastapi(ResponsesRequest, body)
+
+
 EXTREMES = {
     "nested": nested(5000), "nested prompt": {"prompt": nested(5000)},
     "nested messages": {"messages": nested(5000)},
@@ -815,7 +870,8 @@ EXTREMES = {
 }
 
 
-@pytest.mark.parametrize("model", [CompletionRequest, ChatCompletionRequest])
+@pytest.mark.parametrize("model", [CompletionRequest, ChatCompletionRequest,
+                                   ResponsesRequest])
 @pytest.mark.parametrize("name", list(EXTREMES))
 def test_request_parser_extremes(model, name):
     parse_like_fastapi(model, EXTREMES[name])

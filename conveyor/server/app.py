@@ -31,6 +31,8 @@ from conveyor.server.protocol import (
     ModelList,
     VersionInfo,
 )
+from conveyor.server.responses import create_response
+from conveyor.server.responses_protocol import ResponseObject, ResponsesRequest
 from conveyor.server.state import ServerState, engine_failure, refusal_error
 from conveyor.server.tokenize import tokenize_router
 
@@ -77,7 +79,7 @@ def build_app(state: ServerState, ready_message: str = "", api_key: str | None =
     # size limit, which is the first to read a body
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
     app.add_middleware(AdmissionGate, paths=("/v1/completions", "/v1/chat/completions",
-                                             "/v1/embeddings"),
+                                             "/v1/responses", "/v1/embeddings"),
                        refusal=refusal)
     app.add_middleware(ApiKeyGuard, api_key=api_key, dashboard_open=dashboard_open)
 
@@ -142,6 +144,11 @@ def build_app(state: ServerState, ready_message: str = "", api_key: str | None =
               responses=_GENERATE_RESPONSES)
     async def chat_completions(body: ChatCompletionRequest, raw: Request):
         return await create_chat_completion(body, raw, state)
+
+    @app.post("/v1/responses", response_model=ResponseObject, responses=_GENERATE_RESPONSES,
+              summary="OpenAI's Responses API, stateless: nothing is stored")
+    async def responses(body: ResponsesRequest, raw: Request):
+        return await create_response(body, raw, state)
 
     @app.post("/v1/embeddings", response_model=EmbeddingResponse, responses=_GENERATE_RESPONSES,
               summary="a vector per input (a server started with --task embed; 400 otherwise)")
