@@ -370,7 +370,7 @@ def test_disconnect_frees_pages(server, model):
 
     results = asyncio.run(run())
     assert results[0::2] == ["length"] * 8 and results[1::2] == [None] * 8
-    m = wait_idle(server)
+    m = wait_idle(server, aborts=aborted_before + 8)
     assert m["conveyor:num_requests_running"] == 0 and m["conveyor:kv_cache_usage_perc"] == 0
     assert m["conveyor:num_requests_waiting"] == 0
     assert m["conveyor:request_success_total:abort"] - aborted_before == 8
@@ -383,17 +383,20 @@ def test_non_streamed_request_is_aborted_when_the_client_leaves(server, model):
     with pytest.raises(httpx.ReadTimeout):  # gives up long before 1000 tokens are done
         httpx.post(f"{server.base_url}/v1/completions", json=body,
                    timeout=httpx.Timeout(10.0, read=1.0))
-    m = wait_idle(server)
+    m = wait_idle(server, aborts=aborted_before + 1)
     assert m["conveyor:num_requests_running"] == 0 and m["conveyor:kv_cache_usage_perc"] == 0
     assert m["conveyor:request_success_total:abort"] - aborted_before == 1
 
 
-def wait_idle(server, timeout: float = 10.0) -> dict[str, float]:
-    """Metrics once nothing runs and no page is held (gauges refresh every engine loop)."""
+def wait_idle(server, timeout: float = 10.0, aborts: float = 0.0) -> dict[str, float]:
+    """Metrics once nothing runs, no page is held (gauges refresh every engine loop) and at
+    least ``aborts`` requests were aborted (a request can still be on its way to the engine
+    when the client leaves: idle then is not yet aborted)."""
     deadline = time.monotonic() + timeout
     while True:
         m = server.metrics()
-        idle = m["conveyor:num_requests_running"] == 0 and m["conveyor:kv_cache_usage_perc"] == 0
+        idle = (m["conveyor:num_requests_running"] == 0 and m["conveyor:kv_cache_usage_perc"] == 0
+                and m.get("conveyor:request_success_total:abort", 0.0) >= aborts)
         if idle or time.monotonic() > deadline:
             return m
         time.sleep(0.1)
@@ -536,3 +539,13 @@ def test_embeddings_on_a_generation_server_are_a_clear_400(client, model):
     with pytest.raises(openai.BadRequestError) as e:
         client.embeddings.create(model=model, input="hello")
     assert "--task embed" in e.value.body["message"]
+
+
+def test_success_counts_requests_and_samples_apart(server, client, model):
+    """request_success counts a request of n samples once; request_sample_success n times."""
+    before = server.metrics()
+    client.completions.create(model=model, prompt=PROMPT, max_tokens=2, n=3, **GREEDY)
+    after = server.metrics()
+    for name, added in (("request_success_total", 1), ("request_sample_success_total", 3)):
+        key = f"conveyor:{name}:length"
+        assert after[key] - before.get(key, 0.0) == added

@@ -69,6 +69,7 @@ class _Live:
     loop: asyncio.AbstractEventLoop
     submission: Submission
     num_prompt_tokens: int
+    num_samples: int = 1
     num_output_tokens: int = 0
 
     def deliver(self, item: RequestOutput | Exception) -> None:
@@ -318,7 +319,8 @@ class EngineThread:
     def _add(self, cmd: _Add) -> None:
         r = cmd.request
         live = self._live[r.request_id] = _Live(cmd.loop, cmd.submission,
-                                                len(r.prompt_token_ids))
+                                                len(r.prompt_token_ids),
+                                                getattr(r.params, "n", 1))
         try:
             self.engine.add_request(r.request_id, {"prompt_token_ids": r.prompt_token_ids},
                                     r.params, arrival_time=cmd.arrival_time,
@@ -339,7 +341,7 @@ class EngineThread:
         if live is None:
             return
         self.engine.abort_request(request_id)
-        self.metrics.count_finish("abort")
+        self.metrics.count_finish(["abort"] * live.num_samples)
         logger.info("aborted %s (client gone) after %d output tokens", request_id,
                     live.num_output_tokens)
 

@@ -23,6 +23,10 @@ _TPOT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3
 disable_created_metrics()
 
 
+# a request's finish reason where its samples' differ: the first of these any of them has
+_SEVERITY = ("error", "abort", "length", "stop")
+
+
 def token_buckets(most: int) -> tuple[int, ...]:
     """vLLM's buckets for token counts: 1, 2, 5, 10, 20, 50, ... up to ``most``."""
     buckets, scale = [], 1
@@ -70,8 +74,13 @@ class ServerMetrics:
                                         "constrained sequences took theirs from the cache.")
         self.grammar_seconds = counter("grammar_compile_seconds", "Time spent compiling.")
         self._grammar_seen = (0, 0, 0.0)
-        self._success = Counter("conveyor:request_success", "Finished sequences by finish reason.",
+        self._success = Counter("conveyor:request_success", "Finished requests by finish reason "
+                                "(a request of n samples counts once: 'error' or 'abort' if a "
+                                "sample ended so, else 'length' if one did, else 'stop').",
                                 ["model_name", "finished_reason"], registry=self.registry)
+        self._sample_success = Counter("conveyor:request_sample_success", "Finished samples "
+                                       "(each of a request's n) by finish reason.",
+                                       ["model_name", "finished_reason"], registry=self.registry)
         self.ttft = histogram("time_to_first_token_seconds", "Arrival to first token.")
         self.tpot = histogram("time_per_output_token_seconds",
                               "Mean time between output tokens of a request.", _TPOT_BUCKETS)
@@ -119,13 +128,16 @@ class ServerMetrics:
             self.preemptions.inc(new_preemptions)
             self._preemptions_seen = sched.num_preemptions_total
 
-    def count_finish(self, reason: str, n: int = 1) -> None:
-        self._success.labels(self.model_name, reason).inc(n)
+    def count_finish(self, reasons: list[str]) -> None:
+        """One request's end: its samples' finish reasons."""
+        for reason in reasons:
+            self._sample_success.labels(self.model_name, reason).inc()
+        worst = min(reasons, key=lambda r: _SEVERITY.index(r) if r in _SEVERITY else -1)
+        self._success.labels(self.model_name, worst).inc()
 
     def observe_finished(self, out: RequestOutput) -> None:
         m = out.metrics
-        for completion in out.outputs:
-            self.count_finish(completion.finish_reason or "abort")
+        self.count_finish([c.finish_reason or "abort" for c in out.outputs])
         if m.finished_time is None:
             return
         self.request_prompt_tokens.observe(len(out.prompt_token_ids))
