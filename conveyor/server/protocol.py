@@ -6,6 +6,7 @@ field before any work is queued, and so that the generated OpenAPI schema states
 
 from __future__ import annotations
 
+import reprlib
 import time
 from typing import Annotated, Any, Literal
 
@@ -86,10 +87,13 @@ NOT_IMPLEMENTED: dict[str, tuple] = {
 
 
 class UnimplementedField(ValueError):
-    """A request field this server does not implement (``param``: its name, for the 400)."""
+    """A request field this server does not implement (``param``: its name, for the 400);
+    ``why``: the message, where more can be said than that."""
 
-    def __init__(self, param: str, value: Any) -> None:
-        super().__init__(f"{param} is not implemented by this server (got {value!r:.60})")
+    def __init__(self, param: str, value: Any, why: str | None = None) -> None:
+        # (reprlib: a value nested thousands deep is no RecursionError)
+        super().__init__(why or f"{param} is not implemented by this server (got "
+                                f"{reprlib.repr(value)})")
         self.param = param
 
 

@@ -3,7 +3,6 @@ text in and out, function tools, and the text formats; nothing is stored."""
 
 from __future__ import annotations
 
-import reprlib
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
@@ -22,15 +21,8 @@ RESPONSES_NOT_IMPLEMENTED: dict[str, tuple] = {
 }
 
 
-class Refused(UnimplementedField):
-    def __init__(self, param: str, value: Any) -> None:
-        # (reprlib: a value nested thousands deep is no RecursionError)
-        ValueError.__init__(self, f"{param}: this server stores no responses (every response "
-                            "has store false); send the whole conversation in input"
-                            if param == "previous_response_id" else
-                            f"{param} is not implemented by this server (got "
-                            f"{reprlib.repr(value)})")
-        self.param = param
+_NOT_STORED = ("previous_response_id: this server stores no responses (every response has "
+               "store false); send the whole conversation in input")
 
 
 class InputText(BaseModel):
@@ -128,7 +120,8 @@ class ResponsesRequest(BaseModel):
         if isinstance(data, dict):
             for key, value in data.items():
                 if key in RESPONSES_NOT_IMPLEMENTED and value not in RESPONSES_NOT_IMPLEMENTED[key]:
-                    raise Refused(key, value)
+                    raise UnimplementedField(key, value, _NOT_STORED
+                                             if key == "previous_response_id" else None)
         return data
 
     model: str | None = Field(None, description="must be a served model name when given")
