@@ -368,3 +368,21 @@ def test_an_unreachable_url_replica_at_start_is_a_clear_error(tiny_llama):
     out = serve_error("--model", tiny_llama, "--replica-url", url)
     assert out.returncode == 2 and out.stderr.count("\n") == 1, out.stderr
     assert out.stderr.startswith(f"conveyor: error: --replica-url {url} does not answer")
+
+
+def test_the_front_routes_responses_and_embeddings_by_their_prompt_tokens():
+    """The tokens the front routes by are those the replica will compute: a Responses input
+    through the chat template (instructions first), an embedding input as a prompt."""
+    from conveyor.model.loader import load_tokenizer
+
+    tokenizer = load_tokenizer()
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    chat = front.prompt_tokens(tokenizer, "/v1/chat/completions", {"messages": messages})
+    assert chat and front.prompt_tokens(tokenizer, "/v1/responses", {
+        "instructions": "Be brief.", "input": "Hi"}) == chat
+    assert front.prompt_tokens(tokenizer, "/v1/responses", {
+        "instructions": "Be brief.", "input": [{"role": "user", "content": "Hi"}]}) == chat
+    assert front.prompt_tokens(tokenizer, "/v1/embeddings", {"input": ["a b", "c"]}) == (
+        front.prompt_tokens(tokenizer, "/v1/completions", {"prompt": "a b"}))
+    assert front.prompt_tokens(tokenizer, "/v1/responses", {"input": 3}) == []
+    assert set(front.ROUTED) >= {"/v1/responses", "/v1/embeddings"}

@@ -47,7 +47,8 @@ from conveyor.worker.tensor_parallel import launched_by_torchrun
 
 logger = logging.getLogger("conveyor.server")
 
-ROUTED = ("/v1/completions", "/v1/chat/completions")
+# the routes a replica is chosen for (by the prompt's tokens); the rest go to the first one up
+ROUTED = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/embeddings")
 # Hop-by-hop headers, and those the proxy recomputes.
 _DROP = {"host", "content-length", "connection", "keep-alive", "transfer-encoding", "upgrade"}
 CONNECT_TIMEOUT_S = 10.0  # a replica (another machine) that takes longer is unreachable
@@ -146,11 +147,19 @@ def prompt_tokens(tokenizer, path: str, body: dict) -> list[int]:
     """The prompt's tokens as the replica will see them (the first prompt of a batch); [] where
     the body is not one the replica will take: it answers with the error."""
     try:
-        if path == "/v1/chat/completions":
-            text = tokenizer.apply_chat_template(body["messages"], tools=body.get("tools"),
+        messages = body.get("messages")
+        if path == "/v1/responses":  # (its text messages: near enough to route by)
+            given = body["input"]
+            messages = ([{"role": "system", "content": body["instructions"]}]
+                        * bool(body.get("instructions"))
+                        + ([{"role": "user", "content": given}] if isinstance(given, str) else
+                           [{"role": m["role"], "content": m["content"]} for m in given
+                            if isinstance(m.get("content"), str)]))
+        if path in ("/v1/chat/completions", "/v1/responses"):
+            text = tokenizer.apply_chat_template(messages, tools=body.get("tools"),
                                                  tokenize=False, add_generation_prompt=True)
             return tokenizer.encode(text, add_special_tokens=False)
-        prompt = body["prompt"]
+        prompt = body["input" if path == "/v1/embeddings" else "prompt"]
         if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
             prompt = prompt[0]
         return list(prompt) if isinstance(prompt, list) else tokenizer.encode(prompt)
@@ -271,8 +280,6 @@ def build_front(replicas: list[Replica], router: Router, tokenizer,
                          on_end=lambda: router.finished(replica))
         return unreachable().response()
 
-    @app.post("/v1/completions")
-    @app.post("/v1/chat/completions")
     async def completion(request: Request) -> Response:
         body = await request.body()
         try:
@@ -282,6 +289,9 @@ def build_front(replicas: list[Replica], router: Router, tokenizer,
         ids = (await asyncio.to_thread(prompt_tokens, tokenizer, request.url.path, parsed)
                if isinstance(parsed, dict) else [])
         return await forward(request, body, ids)
+
+    for path in ROUTED:
+        app.post(path)(completion)
 
     @app.get("/health")
     async def health() -> Response:
