@@ -11,7 +11,7 @@ import torch
 from conveyor.core.kv_cache_manager import KV_LAYOUTS
 from conveyor.core.scheduler import POLICIES, SCHEDULING_POLICIES, SchedulerConfig
 from conveyor.kernels import isa
-from conveyor.model.config import POOLING_TYPES
+from conveyor.sampling_params import POOLING_TYPES
 from conveyor.settings import check_choices, setting
 
 _DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,

@@ -66,6 +66,11 @@ class StructuredOutputsParams:
         return self.kind, text, self.disable_any_whitespace
 
 
+# Poolings of a prompt's last hidden states into an embedding: the last token's (what a causal
+# model's final state sums up; vLLM's default for one), the mean over the prompt, the first's.
+POOLING_TYPES = ("last", "mean", "cls")
+
+
 @dataclass(frozen=True)
 class PoolingParams:
     """An embedding request (``LLM.embed``, ``/v1/embeddings``) in place of sampling: the

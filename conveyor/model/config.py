@@ -61,9 +61,6 @@ _ROPE_SCALING_FIELDS = {
 # Architectures whose transformers network rotates only part of each head when its config
 # says so (partial_rotary_factor): refused elsewhere.
 _PARTIAL_ROTARY = ("phi3",)
-# Poolings of a prompt's last hidden states into an embedding: the last token's (what a causal
-# model's final state sums up; vLLM's default for one), the mean over the prompt, the first's.
-POOLING_TYPES = ("last", "mean", "cls")
 
 
 @dataclass(frozen=True)
@@ -96,7 +93,7 @@ class ModelConfig:
     local_rope_theta: float | None = None  # the sliding layers' own rope base (Gemma 3)
     output_bias: bool = False  # the attention's output projection has a bias
     rotary_dim: int | None = None  # the head's first dimensions rope rotates, if not all
-    # embeddings: how the model pools a prompt's last hidden states into one vector (POOLING:
+    # embeddings: how the model pools a prompt's last hidden states (a POOLING_TYPES one:
     # a sentence-transformers folder's, a GGUF's pooling_type), None where it does not say
     pooling_type: str | None = None
 
