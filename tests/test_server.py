@@ -118,6 +118,7 @@ def test_a_field_the_server_does_not_implement_is_a_400_naming_it(server, route,
     ok = httpx.post(f"{server.base_url}{route}", timeout=60,
                     json={**base, "max_tokens": 1, field: neutral, "no_such_key": 1})
     assert ok.status_code == 200, ok.text
+    assert "ignored" in server.log() and "no_such_key" in server.log()  # said, as vLLM says
 
 
 def test_continue_final_message_continues_the_assistants_text(client, model, tokenizer):

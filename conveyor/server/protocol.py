@@ -6,6 +6,7 @@ field before any work is queued, and so that the generated OpenAPI schema states
 
 from __future__ import annotations
 
+import logging
 import reprlib
 import time
 from typing import Annotated, Any, Literal
@@ -16,6 +17,8 @@ from conveyor.engine.engine import StepRecord
 from conveyor.outputs import RequestOutput
 from conveyor.sampling_params import SamplingParams, StructuredOutputsParams
 
+
+logger = logging.getLogger("conveyor.server")
 
 # Sizes past which a request is refused before any work (each a 400 naming the field).
 MAX_STOP_STRINGS = 16      # each checked against the new text of every token
@@ -108,6 +111,10 @@ class SamplingFields(BaseModel):
                 if (key in NOT_IMPLEMENTED and key not in cls.model_fields
                         and value not in NOT_IMPLEMENTED[key]):
                     raise UnimplementedField(key, value)
+            unknown = [k for k in data if k not in cls.model_fields and k not in NOT_IMPLEMENTED]
+            if unknown:  # as vLLM: ignored, and said so
+                logger.warning("these fields of a request are ignored (neither OpenAI's nor "
+                               "vLLM's schema has them): %s", reprlib.repr(unknown))
         return data
 
     model: str | None = Field(None, description="must be a served model name when given")
