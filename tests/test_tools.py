@@ -19,9 +19,8 @@ from conveyor.outputs import CompletionOutput
 from conveyor.sampling_params import StructuredOutputsParams
 from conveyor.server.protocol import ChatCompletionRequest
 from conveyor.server.streaming import TextDeltas
-from conveyor.server.tools import (MAX_PARALLEL_CALLS, ToolCallDeltas, parse_tool_calls,
-                                   strict_schema, template_messages, tool_constraint,
-                                   tool_mode)
+from conveyor.server.tool_schemas import MAX_PARALLEL_CALLS, strict_schema, tool_constraint
+from conveyor.server.tools import ToolCallDeltas, parse_tool_calls, template_messages, tool_mode
 
 from server_process import running_server
 

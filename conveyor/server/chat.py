@@ -28,12 +28,12 @@ from conveyor.server.protocol import (
 from conveyor.server.reasoning import ReasoningDeltas, constrain_the_answer, split_reasoning
 from conveyor.server.state import ServerState, collect, engine_failure
 from conveyor.server.streaming import SSE_DONE, TextDeltas, sse
+from conveyor.server.tool_schemas import tool_constraint
 from conveyor.server.tools import (
     ToolCallDeltas,
     finish_reason,
     parse_tool_calls,
     template_messages,
-    tool_constraint,
     tool_mode,
 )
 
