@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass
 
 from conveyor.server.reasoning import PARSERS
 from conveyor.settings import check_choices, setting
+
+API_KEY_ENV = "CONVEYOR_API_KEY"  # the key out of `ps`
 
 
 @dataclass
@@ -55,3 +58,7 @@ class ServerConfig:
                 if not re.fullmatch(r"https?://[^/\s]+/?", url):
                     raise ValueError(f"--replica-url must be http://HOST:PORT, got {url!r}")
             self.replica_url = [url.rstrip("/") for url in self.replica_url]
+
+    def resolved_api_key(self) -> str | None:
+        """--api-key, else the API_KEY_ENV variable, else None (no key)."""
+        return self.api_key or os.environ.get(API_KEY_ENV) or None

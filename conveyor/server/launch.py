@@ -9,7 +9,6 @@ supervisor to restart it.
 from __future__ import annotations
 
 import logging
-import os
 import signal
 
 import uvicorn
@@ -18,14 +17,13 @@ from conveyor.config import EngineConfig
 from conveyor.engine.engine import LLMEngine
 from conveyor.server.access import DEFAULT_MAX_BODY_BYTES, is_loopback
 from conveyor.server.app import build_app
-from conveyor.server.config import ServerConfig
+from conveyor.server.config import API_KEY_ENV, ServerConfig
 from conveyor.server.engine_thread import EngineThread
 from conveyor.server.metrics import ServerMetrics
 from conveyor.server.reasoning import CLOSE, think_tag_ids
 from conveyor.server.state import ServerState
 
 GRACEFUL_SHUTDOWN_S = 30
-API_KEY_ENV = "CONVEYOR_API_KEY"  # the key out of `ps`
 
 logger = logging.getLogger("conveyor.server")
 
@@ -69,7 +67,7 @@ def run_server(config: EngineConfig, settings: ServerConfig) -> None:
         return run_front(config, settings)
     logging.basicConfig(level=logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    api_key = settings.api_key or os.environ.get(API_KEY_ENV) or None
+    api_key = settings.resolved_api_key()
     dashboard_open = settings.dashboard_public or is_loopback(settings.host)
     server: uvicorn.Server | None = None
 

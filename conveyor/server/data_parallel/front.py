@@ -41,7 +41,6 @@ from conveyor.server.access import ApiKeyGuard, is_loopback
 from conveyor.server.config import ServerConfig
 from conveyor.server.data_parallel.router import NoReplicaUp, Router
 from conveyor.server.errors import APIError
-from conveyor.server.launch import API_KEY_ENV
 from conveyor.settings import to_flags
 from conveyor.worker.tensor_parallel import launched_by_torchrun
 
@@ -361,7 +360,7 @@ def run_front(engine: EngineConfig, settings: ServerConfig) -> None:
                          "torchrun")
     urls = settings.replica_url or []
     n = local_replica_count(engine.data_parallel_size, urls)
-    api_key = settings.api_key or os.environ.get(API_KEY_ENV) or None
+    api_key = settings.resolved_api_key()
     for url in urls:  # before anything loads
         check_url_replica(url, served_names(engine, settings), api_key)
     # each replica's ranks get the machine's cores shared out, unless --threads says
