@@ -1,0 +1,43 @@
+"""The integer kernels' activation quantization (issue 36), as its PyTorch reference defines it:
+each run of 32 values scaled to its largest magnitude and rounded, llama.cpp's Q8_0 rule."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra.numpy import arrays
+
+from conveyor.kernels.activations import fake_quantize, quantize
+
+LEVELS = {"int8": 127, "int16": 32767, "int8-token": 127}
+ROWS = arrays(np.float32, st.tuples(st.integers(1, 3), st.sampled_from([32, 64, 96])),
+              elements=st.floats(-1e4, 1e4, width=32))
+
+
+@settings(max_examples=60, deadline=None)
+@given(ROWS, st.sampled_from(sorted(LEVELS)))
+def test_each_run_is_rounded_to_its_own_scale(x, mode):
+    x = torch.from_numpy(x)
+    q, scales = quantize(x, mode)
+    run = x.shape[-1] if mode == "int8-token" else 32
+    assert scales.shape == (x.shape[0], x.shape[1] // run)
+    assert int(q.abs().max()) <= LEVELS[mode]
+    per_value = scales.repeat_interleave(run, dim=-1)
+    back = fake_quantize(x, mode)
+    # within half a step of each value; the largest magnitude of a run is kept (up to float32)
+    assert bool(((back - x).abs() <= per_value / 2 * (1 + 1e-6) + 1e-30).all())
+    runs = x.reshape(x.shape[0], -1, run)
+    assert torch.allclose(runs.abs().amax(-1), scales * LEVELS[mode], rtol=1e-6)
+
+
+def test_q8_0_scale_and_rounding():
+    """Q8_0's: d = amax / 127, q = x / d rounded to nearest, halves to even (as a SIMD
+    conversion rounds, llama.cpp's AVX2 quantizer too; its scalar reference's roundf would
+    take 0.5 to 1)."""
+    x = torch.tensor([[127.0, 0.5, -0.5, 1.5, 2.5] + [0.0] * 27])
+    q, scales = quantize(x, "int8")
+    assert float(scales[0, 0]) == 1.0
+    assert q[0, :5].tolist() == [127, 0, 0, 2, 2]
+    assert fake_quantize(x, "none") is x
