@@ -21,6 +21,7 @@ _UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "kib": 2**10, "m": 1e6, "mb": 1e6,
 # --quantization: GGUF block types gguf-py quantizes to (llama.cpp's reference rounding)
 QUANTIZATIONS = ("q8_0", "q4_1", "q4_0")
 TASKS = ("generate", "embed")
+ACTIVATION_QUANTS = ("none", "int16", "int8")
 DEFAULT_CPU_KV_SHARE = 0.25        # of available RAM ...
 DEFAULT_CPU_KV_CAP = 4 * 2**30     # ... but no more than vLLM's CPU default of 4 GiB
 DEFAULT_CUDA_KV_SHARE = 0.8        # of free device memory after the weights
@@ -80,6 +81,11 @@ class EngineConfig:
     seed: int = setting(0, "the sampler's seed for requests without their own")
     device: str | None = setting(None, "cpu or cuda (default: cuda when present)")
     threads: int | None = setting(None, "CPU threads for the model (default: PyTorch's)")
+    activation_quant: str = setting(
+        "none", "the GGUF block linears multiply integer activations, each run of 32 inputs "
+                "scaled to int16 or int8 (llama.cpp's Q8_0 numerics; agreement with none in "
+                "docs/results/activation-quant); plain-C kernels for now, slower than none",
+        choices=ACTIVATION_QUANTS)
     quantization: str | None = setting(
         None, "quantize a Hugging Face folder's linears into these GGUF blocks at load",
         choices=QUANTIZATIONS)

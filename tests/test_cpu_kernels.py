@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from conveyor.kernels import isa
+from conveyor.kernels.activations import fake_quantize
 from conveyor.kernels.blocks import QuantizedWeight
 from conveyor.kernels.library import BF16_HEAD_DIMS, cpu_kernels, kernels_at
 from conveyor.model.attention import gather_pages, write_kv
@@ -472,3 +473,32 @@ def test_tied_head_and_embedding_read_the_tables_blocks(default_gguf_path, nativ
             bound = F.linear(hidden[:rows].abs().float(), table.abs())
             step = 2 ** -8 if native_dtype == BF16 else 1e-6
             assert ((model.compute_logits(hidden[:rows]) - want).abs() <= step * bound).all()
+
+
+@pytest.mark.parametrize("tier,dtype", CASES)
+@pytest.mark.parametrize("mode", ["int16", "int8"])
+@pytest.mark.parametrize("qtype, n, k", [*[(t, 40, 96) for t in BLOCKS_32 if t not in DENSE],
+                                         *[(t, 24, 512) for t in K_QUANTS]])
+def test_integer_activation_linear_matches_its_reference(tier, dtype, mode, qtype, n, k):
+    """--activation-quant: the block linear on integer activations against F.linear of the
+    quantized activations (activations.fake_quantize, the reference's rounding) and the
+    loader's weights, in float64: float32 sums of exact integer products."""
+    kernel = kernels_at(tier, dtype, 64, mode).quant_linear
+    weight, dense = random_blocks(qtype, n, k)
+    assert int(qtype) in kernel.types and kernel.in_format(weight) is weight
+    gen = torch.Generator().manual_seed(n + k)
+    wide = torch.randn(200, k + 32, generator=gen).to(dtype) * torch.exp(
+        torch.randn(200, 1, generator=gen)).to(dtype)
+    x = wide[:, 16:16 + k]  # strided rows
+    bias = torch.randn(n, generator=gen).to(dtype)
+    for rows in (1, 7, 32, 200):
+        got = kernel(x[:rows], weight, bias).double()
+        quantized = fake_quantize(x[:rows].float(), mode).double()
+        want = F.linear(quantized, dense.double(), bias.double())
+        bound = F.linear(quantized.abs(), dense.double().abs(), bias.double().abs())
+        step = 2 ** -8 if dtype == BF16 else 2e-6  # the result's rounding, or float32 sums'
+        assert ((got - want).abs() <= step * bound + 1e-30).all(), (rows, qtype)
+    # the quantization is the kernel's own: float activations are not what it multiplies
+    if mode == "int8":
+        plain = F.linear(x[:32].double(), dense.double(), bias.double())
+        assert not torch.allclose(kernel(x[:32], weight, bias).double(), plain, rtol=1e-4)

@@ -130,7 +130,8 @@ class LLMEngine:
         self.inputs = InputProcessor(self.tokenizer, loaded.name, loaded.config.vocab_size,
                                      model_len, self.scheduler.kv.num_tokens_capacity,
                                      self.grammars)
-        setup = dict(dtype=self.dtype, num_blocks=num_blocks, max_model_len=model_len)
+        setup = dict(dtype=self.dtype, num_blocks=num_blocks, max_model_len=model_len,
+                     activation_quant=config.activation_quant)
         tp = self.tensor_parallel
         if tp is not None:  # the workers build their shards of the same pool
             tp.send(setup)

@@ -182,12 +182,16 @@ class RopeKVWrite:
 
 
 class DequantRows:
-    """Rows of a matrix in GGUF blocks (in the format the dtype's block linears read), as
-    dense rows of the model dtype: the embedding table's rows a step looks up."""
+    """Rows of a matrix in GGUF blocks (in the format the dtype's block linears read; ``raw``:
+    as the file stores them, what the integer linears read), as dense rows of the model dtype:
+    the embedding table's rows a step looks up."""
 
-    def __init__(self, lib: ctypes.CDLL, dtype: torch.dtype) -> None:
+    def __init__(self, lib: ctypes.CDLL, dtype: torch.dtype, raw: bool = False) -> None:
         self.dtype = dtype
-        self._fn = entry(lib, "dequant_rows", dtype, [p, i64, i32, p, i32, i32, p, i64, i32], i32)
+        # (the float32 entry reads the file's blocks; its rows are then rounded to the dtype)
+        self._computes = torch.float32 if raw else dtype
+        self._fn = entry(lib, "dequant_rows", self._computes,
+                         [p, i64, i32, p, i32, i32, p, i64, i32], i32)
 
     def __call__(self, weight: QuantizedWeight, ids: torch.Tensor) -> torch.Tensor:
         """ids: [n] int64 row numbers (in range: the engine checks token ids). Returns
@@ -195,13 +199,13 @@ class DequantRows:
         ids = ids.contiguous()
         assert ids.dtype == torch.int64 and ids.device.type == "cpu"
         k = weight.blocks.shape[1] // weight.block_bytes * weight.block_values
-        out = torch.empty(len(ids), k, dtype=self.dtype)
+        out = torch.empty(len(ids), k, dtype=self._computes)
         rc = self._fn(weight.blocks.data_ptr(), weight.blocks.stride(0), weight.ggml_type,
                       ids.data_ptr(), len(ids), k, out.data_ptr(), out.stride(0),
                       torch.get_num_threads())
         if rc != 0:
             raise ValueError(f"dequant_rows: ggml type {weight.ggml_type} is not handled")
-        return out
+        return out.to(self.dtype)
 
 
 class QuantLinear:
@@ -273,6 +277,37 @@ class QuantLinear:
             raise MemoryError("quant_linear: no memory for its scratch buffer")
         if rc != 0:
             raise ValueError(f"quant_linear: {rows} rows of {k} with ggml type "
+                             f"{w.ggml_type} is not handled")
+
+
+class IntQuantLinear(QuantLinear):
+    """``QuantLinear`` on integer activations (``--activation-quant``): each run of 32 inputs
+    quantized to int16 or int8 (``activations.quantize``), multiplied with the blocks' integers
+    (csrc/generic/quant_linear_int.c). Every block type at any number of rows, in float32 or
+    bfloat16; dense weights are not its (they run in floating point)."""
+
+    LEVELS = {"int16": 32767, "int8": 127}
+
+    def __init__(self, lib: ctypes.CDLL, dtype: torch.dtype, mode: str) -> None:
+        self.dtype, self.mode, self.levels = dtype, mode, self.LEVELS[mode]
+        self._fn = entry(lib, "quant_linear_int", dtype,
+                         [p, i64, p, i64, i32, p, p, i64, i32, i32, i32, i32, i32], i32)
+        self.amx = self.wide = False
+        self.types = BLOCK_TYPES - set(DENSE_TYPES.values())
+        self.max_rows = self.F32_ROWS
+        self._dense_rows = None
+
+    def _call(self, x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None,
+              y: torch.Tensor) -> None:
+        rows, k = x.shape
+        rc = self._fn(x.data_ptr(), x.stride(0), w.blocks.data_ptr(), w.blocks.stride(0),
+                      w.ggml_type, None if bias is None else bias.data_ptr(), y.data_ptr(),
+                      y.stride(0), rows, w.blocks.shape[0], k, self.levels,
+                      torch.get_num_threads())
+        if rc == -2:
+            raise MemoryError("quant_linear_int: no memory for its scratch buffers")
+        if rc != 0:
+            raise ValueError(f"quant_linear_int: {rows} rows of {k} with ggml type "
                              f"{w.ggml_type} is not handled")
 
 

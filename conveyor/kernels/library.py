@@ -15,8 +15,9 @@ import torch
 
 from conveyor.kernels import build, isa
 from conveyor.kernels.bindings import (GLU_KERNELS, AddRMSNorm, ArgmaxRows, DecodeKernel,
-                                       DecodeStack, DequantRows, GatedMul, QuantLinear,
-                                       RopeKVWrite, SampleRows, StackLayer, has_entry)
+                                       DecodeStack, DequantRows, GatedMul, IntQuantLinear,
+                                       QuantLinear, RopeKVWrite, SampleRows, StackLayer,
+                                       has_entry)
 
 logger = logging.getLogger("conveyor")
 
@@ -80,20 +81,25 @@ def unavailable(dtype: torch.dtype, head_dim: int, tier: str) -> str | None:
     return None
 
 
-def kernels_at(tier: str, dtype: torch.dtype, head_dim: int) -> CPUKernels | None:
-    """The kernels of ``tier`` (which this CPU must be able to run) for this dtype."""
+def kernels_at(tier: str, dtype: torch.dtype, head_dim: int, activation_quant: str = "none"
+               ) -> CPUKernels | None:
+    """The kernels of ``tier`` (which this CPU must be able to run) for this dtype; the block
+    linears on integer activations unless ``activation_quant`` is "none"."""
     if unavailable(dtype, head_dim, tier) is not None:
         return None
     lib = load_library(tier)
     if lib is None or not has_entry(lib, "quant_linear", dtype):
         return None
+    integer = activation_quant != "none"
+    linear = IntQuantLinear(lib, dtype, activation_quant) if integer else QuantLinear(lib, dtype)
     return CPUKernels(tier, dtype, DecodeKernel(lib, dtype), AddRMSNorm(lib, dtype),
                       {act: GatedMul(lib, dtype, act) for act in GLU_KERNELS},
-                      RopeKVWrite(lib, dtype), QuantLinear(lib, dtype),
-                      ArgmaxRows(lib), SampleRows(lib), DequantRows(lib, dtype), lib)
+                      RopeKVWrite(lib, dtype), linear, ArgmaxRows(lib), SampleRows(lib),
+                      DequantRows(lib, dtype, raw=integer), lib)
 
 
-def cpu_kernels(device: torch.device, dtype: torch.dtype, head_dim: int) -> CPUKernels | None:
+def cpu_kernels(device: torch.device, dtype: torch.dtype, head_dim: int,
+                activation_quant: str = "none") -> CPUKernels | None:
     """The kernels for this process's tier when they apply here (the CPU, float32 at any tier,
     bfloat16 where the tier computes it) and build."""
     if device.type != "cpu":
@@ -103,7 +109,7 @@ def cpu_kernels(device: torch.device, dtype: torch.dtype, head_dim: int) -> CPUK
     if why is not None:
         logger.info("CPU kernels off: %s; the model runs plain PyTorch", why)
         return None
-    return kernels_at(tier, dtype, head_dim)
+    return kernels_at(tier, dtype, head_dim, activation_quant)
 
 
 def describe(device: torch.device, dtype: torch.dtype, head_dim: int,
@@ -113,7 +119,9 @@ def describe(device: torch.device, dtype: torch.dtype, head_dim: int,
         return f"PyTorch on {device.type}"
     choice = isa.current()
     if kernels is not None:
-        return f"C kernels, CPU tier {choice.describe()}"
+        integer = isinstance(kernels.quant_linear, IntQuantLinear)
+        return (f"C kernels{f', {kernels.quant_linear.mode} activations' if integer else ''}, "
+                f"CPU tier {choice.describe()}")
     why = (unavailable(dtype, head_dim, choice.tier)
            or "the kernels did not build (see the warning above)")
     return f"plain PyTorch ({why}), CPU tier {choice.describe()}"

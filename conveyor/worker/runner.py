@@ -95,9 +95,12 @@ class ModelRunner:
                  dtype: torch.dtype, device: torch.device, num_blocks: int, block_size: int,
                  max_model_len: int, seed: int,
                  quantized: dict[str, QuantizedWeight] | None = None,
-                 tensor_parallel: TensorParallel | None = None) -> None:
+                 tensor_parallel: TensorParallel | None = None,
+                 activation_quant: str = "none") -> None:
         """quantized: the GGUF's block-quantized matrices, read by the CPU kernel at small M.
-        tensor_parallel: this rank's group; the runner then holds the rank's shard."""
+        tensor_parallel: this rank's group; the runner then holds the rank's shard.
+        activation_quant: the block linears' inputs as integers (EngineConfig's); it needs the
+        CPU kernels (ValueError where they do not run)."""
         self.tensor_parallel = tensor_parallel
         head_rows = None
         if tensor_parallel is not None:
@@ -112,7 +115,11 @@ class ModelRunner:
         self.device = device
         self.dtype = dtype
         self.block_size = block_size
-        kernels = cpu_kernels(device, dtype, config.head_dim)
+        kernels = cpu_kernels(device, dtype, config.head_dim, activation_quant)
+        if kernels is None and activation_quant != "none":
+            raise ValueError(f"activation_quant {activation_quant} needs the CPU kernels, which "
+                             f"do not run here: "
+                             f"{describe(device, dtype, config.head_dim, kernels)}")
         with torch.device("meta"):
             self.model = network(config)(config, head_rows)
         shape = (num_blocks, block_size, config.num_kv_heads, config.head_dim)

@@ -1,0 +1,140 @@
+/* A block linear on integer activations (--activation-quant int16 | int8), in plain C.
+ *
+ * Each row of x is cut into runs of 32 values (a chunk of the weights' row), each run scaled
+ * to its largest magnitude and rounded to the nearest integer, halves to even: int16 (levels
+ * 32767) or int8 (127, llama.cpp's Q8_0), x ~ s * p. A chunk of weights is w = d * q + m
+ * (blocks.h; Q6_K has a d per 16), so its share of y is
+ *
+ *     (d * s) * (q . p) + (m * s) * sum(p)
+ *
+ * with q . p an exact integer dot product (|q| <= 128, |p| <= 32767, 16 of them: within
+ * int32) and the rest float32. conveyor/kernels/activations.py is the quantization's
+ * reference; the sums are F.linear's on the quantized activations up to float32 rounding.
+ * From the avx2 tier on, each 16 products are one pmaddwd; a tier's own file, with the
+ * products kept in vectors across chunks, is to replace this one.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "blocks.h"
+#include "common.h"
+
+/* Row r's runs of x quantized: p [rows][k] int16, s [rows][k / 32], psum the runs' sums.
+ * Not under fast math: the scale is amax / levels and its inverse 1 / scale, rounded as the
+ * reference rounds them (a reciprocal instead of the division could move a value across a
+ * rounding boundary). */
+__attribute__((optimize("no-fast-math")))
+static void quantize_runs(const void *x, int64_t x_stride, int bf16, int rows, int k,
+                          int levels, int16_t *p, float *s, int32_t *psum) {
+    const int chunks = k / 32;
+    for (int r = 0; r < rows; r++)
+        for (int j = 0; j < chunks; j++) {
+            float v[32], amax = 0.0f;
+            for (int e = 0; e < 32; e++) {
+                v[e] = elem_load(x, r * x_stride + 32 * j + e, bf16);
+                amax = fmaxf(amax, fabsf(v[e]));
+            }
+            const float scale = amax / (float)levels;
+            const float inverse = scale > 0.0f ? 1.0f / scale : 0.0f;
+            int32_t sum = 0;
+            for (int e = 0; e < 32; e++) {
+                const int16_t q = (int16_t)rintf(v[e] * inverse);
+                p[((int64_t)r * chunks + j) * 32 + e] = q;
+                sum += q;
+            }
+            s[(int64_t)r * chunks + j] = scale;
+            psum[(int64_t)r * chunks + j] = sum;
+        }
+}
+
+/* sum of a[e] * b[e] over 16 int16 pairs (exact in int32) */
+static inline int32_t dot16(const int16_t *a, const int16_t *b) {
+#if defined(__AVX2__)
+    const __m256i pairs = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)a),
+                                            _mm256_loadu_si256((const __m256i *)b));
+    __m128i sum = _mm_add_epi32(_mm256_castsi256_si128(pairs),
+                                _mm256_extracti128_si256(pairs, 1));
+    sum = _mm_add_epi32(sum, _mm_shuffle_epi32(sum, 0x4e));
+    return _mm_cvtsi128_si32(_mm_add_epi32(sum, _mm_shuffle_epi32(sum, 0xb1)));
+#else
+    int32_t sum = 0;
+    for (int e = 0; e < 16; e++) sum += (int32_t)a[e] * b[e];
+    return sum;
+#endif
+}
+
+/* y = x w^T (+ bias), x and y float32 or bfloat16 (bf16) with row strides; w: n rows of k
+ * weights in blocks of `type` (not a dense type: those run in floating point), row_bytes
+ * apart. Returns -1 for a type, shape or level it does not handle, -2 without memory. */
+static int quant_linear_int(const void *x, int64_t x_stride, int bf16, const uint8_t *w,
+                            int64_t row_bytes, int type, const void *bias, void *y,
+                            int64_t y_stride, int rows, int n, int k, int levels, int threads) {
+    if (!reads_type(type) || is_dense(type) || k % values_per_block(type) != 0 || rows < 1
+        || (levels != 127 && levels != 32767))
+        return -1;
+    const int chunks = k / 32;
+    int16_t *p = malloc((size_t)rows * k * sizeof(int16_t));
+    float *s = malloc((size_t)rows * chunks * sizeof(float));
+    int32_t *psum = malloc((size_t)rows * chunks * sizeof(int32_t));
+    if (p == NULL || s == NULL || psum == NULL) {
+        free(p);
+        free(s);
+        free(psum);
+        return -2;
+    }
+    quantize_runs(x, x_stride, bf16, rows, k, levels, p, s, psum);
+    int failed = 0;
+    #pragma omp parallel num_threads(threads)
+    {
+        int16_t *qw = malloc((size_t)k * sizeof(int16_t));
+        float *d = malloc((size_t)chunks * 2 * sizeof(float)), *m = malloc(chunks * sizeof(float));
+        int n0, n1;
+        thread_share(n, &n0, &n1);
+        if (qw == NULL || d == NULL || m == NULL) failed = 1;  /* (its rows are not computed) */
+        for (int o = n0; !failed && o < n1; o++) {
+            const uint8_t *row = w + (int64_t)o * row_bytes;
+            for (int j = 0; j < chunks; j++) {  /* the row's integers and factors, once */
+                int q[32];
+                chunk_scales(row, type, j, d + 2 * j, m + j);
+                chunk_quants(row, type, j, q);
+                for (int e = 0; e < 32; e++) qw[32 * j + e] = (int16_t)q[e];
+            }
+            const float b = bias != NULL ? elem_load(bias, o, bf16) : 0.0f;
+            for (int r = 0; r < rows; r++) {
+                const int16_t *pr = p + (int64_t)r * k;
+                const float *sr = s + (int64_t)r * chunks;
+                const int32_t *sumr = psum + (int64_t)r * chunks;
+                float acc = 0.0f;
+                for (int j = 0; j < chunks; j++) {
+                    const float lo = (float)dot16(qw + 32 * j, pr + 32 * j);
+                    const float hi = (float)dot16(qw + 32 * j + 16, pr + 32 * j + 16);
+                    acc += sr[j] * (d[2 * j] * lo + d[2 * j + 1] * hi + m[j] * (float)sumr[j]);
+                }
+                elem_store(y, r * y_stride + o, acc + b, bf16);
+            }
+        }
+        free(qw);
+        free(d);
+        free(m);
+    }
+    free(p);
+    free(s);
+    free(psum);
+    return failed ? -2 : 0;
+}
+
+int quant_linear_int_f32(const float *x, int64_t x_stride, const uint8_t *w, int64_t row_bytes,
+                         int type, const float *bias, float *y, int64_t y_stride, int rows,
+                         int n, int k, int levels, int threads) {
+    return quant_linear_int(x, x_stride, 0, w, row_bytes, type, bias, y, y_stride, rows, n, k,
+                            levels, threads);
+}
+
+int quant_linear_int_bf16(const uint16_t *x, int64_t x_stride, const uint8_t *w,
+                          int64_t row_bytes, int type, const uint16_t *bias, uint16_t *y,
+                          int64_t y_stride, int rows, int n, int k, int levels, int threads) {
+    return quant_linear_int(x, x_stride, 1, w, row_bytes, type, bias, y, y_stride, rows, n, k,
+                            levels, threads);
+}
