@@ -104,6 +104,7 @@ def test_logit_bias_changes_the_greedy_token(server, client, model, tokenizer):
     ("/v1/completions", "best_of", 3), ("/v1/completions", "suffix", "!"),
     ("/v1/chat/completions", "allowed_token_ids", [1, 2]),
     ("/v1/chat/completions", "store", True), ("/v1/completions", "use_beam_search", True),
+    ("/v1/chat/completions", "echo", True),
 ])
 def test_a_field_the_server_does_not_implement_is_a_400_naming_it(server, route, field, value):
     """Never dropped in silence; its do-nothing value passes, and a key no schema has is
@@ -114,7 +115,7 @@ def test_a_field_the_server_does_not_implement_is_a_400_naming_it(server, route,
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == field
     neutral = {"best_of": 1, "suffix": None, "allowed_token_ids": None, "store": False,
-               "use_beam_search": False}[field]
+               "use_beam_search": False, "echo": False}[field]
     ok = httpx.post(f"{server.base_url}{route}", timeout=60,
                     json={**base, "max_tokens": 1, field: neutral, "no_such_key": 1})
     assert ok.status_code == 200, ok.text

@@ -80,6 +80,7 @@ NOT_IMPLEMENTED: dict[str, tuple] = {
     "include_stop_str_in_output": (None, False), "skip_special_tokens": (None, True),
     "spaces_between_special_tokens": (None, True), "truncate_prompt_tokens": (None,),
     "allowed_token_ids": (None,), "bad_words": (None, []), "add_special_tokens": (None,),
+    "echo": (None, False),  # (chat's: the last message before the reply; completions take it)
     "documents": (None,), "chat_template": (None,), "mm_processor_kwargs": (None,),
     "structural_tag": (None,), "guided_decoding_backend": (None,),
     "guided_whitespace_pattern": (None,), "logits_processors": (None,),
