@@ -88,20 +88,12 @@ static void unpack_row(const uint8_t *row, int type, int chunks, int16_t *wq, __
 static int quant_linear_int(const void *x, int64_t x_stride, int bf16, const uint8_t *w,
                             int64_t row_bytes, int type, const void *bias, void *y,
                             int64_t y_stride, int rows, int n, int k, int levels, int threads) {
-    if (!reads_type(type) || is_dense(type) || k % values_per_block(type) != 0 || rows < 1
-        || (levels != 127 && levels != 32767))
-        return -1;
+    if (!int_linear_takes(type, k, rows, levels)) return -1;
     const int chunks = k / 32;
-    int16_t *p = malloc((size_t)rows * k * sizeof(int16_t));
-    float *s = malloc((size_t)rows * chunks * sizeof(float));
-    float *sp = malloc((size_t)rows * chunks * sizeof(float));
-    int32_t *psum = malloc((size_t)rows * chunks * sizeof(int32_t));
-    int failed = p == NULL || s == NULL || sp == NULL || psum == NULL;
-    if (!failed) {
-        quantize_runs(x, x_stride, bf16, rows, k, levels, p, s, psum);
-        for (int64_t i = 0; i < (int64_t)rows * chunks; i++) sp[i] = s[i] * (float)psum[i];
-    }
-    #pragma omp parallel num_threads(threads) if (!failed)
+    IntRows a;
+    if (int_rows(&a, x, x_stride, bf16, rows, k, levels) != 0) return -2;
+    int failed = 0;
+    #pragma omp parallel num_threads(threads)
     {
         int16_t *wq = malloc((size_t)OT * k * sizeof(int16_t));
         __m512 *dlh = aligned_alloc(64, (size_t)OT * chunks * sizeof(__m512));
@@ -115,8 +107,8 @@ static int quant_linear_int(const void *x, int64_t x_stride, int bf16, const uin
                 unpack_row(w + (int64_t)(o0 + t) * row_bytes, type, chunks, wq + (int64_t)t * k,
                            dlh + (int64_t)t * chunks, m + (int64_t)t * chunks);
             for (int r = 0; r < rows; r++) {
-                const int16_t *pr = p + (int64_t)r * k;
-                const float *sr = s + (int64_t)r * chunks, *spr = sp + (int64_t)r * chunks;
+                const int16_t *pr = a.p + (int64_t)r * k;
+                const float *sr = a.s + (int64_t)r * chunks, *spr = a.sp + (int64_t)r * chunks;
                 __m512 acc[OT];
                 for (int t = 0; t < OT; t++) acc[t] = _mm512_setzero_ps();
                 for (int j = 0; j < chunks; j++) {
@@ -151,23 +143,8 @@ static int quant_linear_int(const void *x, int64_t x_stride, int bf16, const uin
         free(dlh);
         free(m);
     }
-    free(p);
-    free(s);
-    free(sp);
-    free(psum);
+    int_rows_free(&a);
     return failed ? -2 : 0;
 }
 
-int quant_linear_int_f32(const float *x, int64_t x_stride, const uint8_t *w, int64_t row_bytes,
-                         int type, const float *bias, float *y, int64_t y_stride, int rows,
-                         int n, int k, int levels, int threads) {
-    return quant_linear_int(x, x_stride, 0, w, row_bytes, type, bias, y, y_stride, rows, n, k,
-                            levels, threads);
-}
-
-int quant_linear_int_bf16(const uint16_t *x, int64_t x_stride, const uint8_t *w,
-                          int64_t row_bytes, int type, const uint16_t *bias, uint16_t *y,
-                          int64_t y_stride, int rows, int n, int k, int levels, int threads) {
-    return quant_linear_int(x, x_stride, 1, w, row_bytes, type, bias, y, y_stride, rows, n, k,
-                            levels, threads);
-}
+INT_LINEAR_ENTRIES(quant_linear_int)

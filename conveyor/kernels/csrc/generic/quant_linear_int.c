@@ -44,20 +44,10 @@ static inline int32_t dot16(const int16_t *a, const int16_t *b) {
 static int quant_linear_int(const void *x, int64_t x_stride, int bf16, const uint8_t *w,
                             int64_t row_bytes, int type, const void *bias, void *y,
                             int64_t y_stride, int rows, int n, int k, int levels, int threads) {
-    if (!reads_type(type) || is_dense(type) || k % values_per_block(type) != 0 || rows < 1
-        || (levels != 127 && levels != 32767))
-        return -1;
+    if (!int_linear_takes(type, k, rows, levels)) return -1;
     const int chunks = k / 32;
-    int16_t *p = malloc((size_t)rows * k * sizeof(int16_t));
-    float *s = malloc((size_t)rows * chunks * sizeof(float));
-    int32_t *psum = malloc((size_t)rows * chunks * sizeof(int32_t));
-    if (p == NULL || s == NULL || psum == NULL) {
-        free(p);
-        free(s);
-        free(psum);
-        return -2;
-    }
-    quantize_runs(x, x_stride, bf16, rows, k, levels, p, s, psum);
+    IntRows a;
+    if (int_rows(&a, x, x_stride, bf16, rows, k, levels) != 0) return -2;
     int failed = 0;
     #pragma omp parallel num_threads(threads)
     {
@@ -76,14 +66,13 @@ static int quant_linear_int(const void *x, int64_t x_stride, int bf16, const uin
             }
             const float b = bias != NULL ? elem_load(bias, o, bf16) : 0.0f;
             for (int r = 0; r < rows; r++) {
-                const int16_t *pr = p + (int64_t)r * k;
-                const float *sr = s + (int64_t)r * chunks;
-                const int32_t *sumr = psum + (int64_t)r * chunks;
+                const int16_t *pr = a.p + (int64_t)r * k;
+                const float *sr = a.s + (int64_t)r * chunks, *spr = a.sp + (int64_t)r * chunks;
                 float acc = 0.0f;
                 for (int j = 0; j < chunks; j++) {
                     const float lo = (float)dot16(qw + 32 * j, pr + 32 * j);
                     const float hi = (float)dot16(qw + 32 * j + 16, pr + 32 * j + 16);
-                    acc += sr[j] * (d[2 * j] * lo + d[2 * j + 1] * hi + m[j] * (float)sumr[j]);
+                    acc += sr[j] * (d[2 * j] * lo + d[2 * j + 1] * hi) + m[j] * spr[j];
                 }
                 elem_store(y, r * y_stride + o, acc + b, bf16);
             }
@@ -92,22 +81,8 @@ static int quant_linear_int(const void *x, int64_t x_stride, int bf16, const uin
         free(d);
         free(m);
     }
-    free(p);
-    free(s);
-    free(psum);
+    int_rows_free(&a);
     return failed ? -2 : 0;
 }
 
-int quant_linear_int_f32(const float *x, int64_t x_stride, const uint8_t *w, int64_t row_bytes,
-                         int type, const float *bias, float *y, int64_t y_stride, int rows,
-                         int n, int k, int levels, int threads) {
-    return quant_linear_int(x, x_stride, 0, w, row_bytes, type, bias, y, y_stride, rows, n, k,
-                            levels, threads);
-}
-
-int quant_linear_int_bf16(const uint16_t *x, int64_t x_stride, const uint8_t *w,
-                          int64_t row_bytes, int type, const uint16_t *bias, uint16_t *y,
-                          int64_t y_stride, int rows, int n, int k, int levels, int threads) {
-    return quant_linear_int(x, x_stride, 1, w, row_bytes, type, bias, y, y_stride, rows, n, k,
-                            levels, threads);
-}
+INT_LINEAR_ENTRIES(quant_linear_int)
