@@ -21,16 +21,8 @@ from conveyor.server.protocol import (
     UsageInfo,
     prompt_logprobs_of,
 )
-from conveyor.server.state import ServerState, collect, engine_failure
+from conveyor.server.state import ServerState, collect, engine_failure, prompt_list
 from conveyor.server.streaming import SSE_DONE, TextDeltas, sse
-
-
-def _prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> list:
-    if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
-        return [prompt]
-    if not prompt:
-        raise bad_request("prompt must not be empty", "prompt")
-    return list(prompt)
 
 
 def _logprobs(token_ids: list[int], entries: list, offset: int) -> CompletionLogprobs:
@@ -78,7 +70,7 @@ async def create_completion(body: CompletionRequest, raw: Request,
     if body.echo and body.logprobs is not None:  # the prompt's logprobs are in the answer
         params = dataclasses.replace(params, prompt_logprobs=max(params.prompt_logprobs or 0,
                                                                  body.logprobs))
-    checked = [state.check_prompt(p, params, "prompt") for p in _prompts(body.prompt)]
+    checked = [state.check_prompt(p, params, "prompt") for p in prompt_list(body.prompt, "prompt")]
     echoes = [(text if text is not None else state.engine.tokenizer.decode(ids))
               if body.echo else "" for text, ids in checked]
     request_id, submission = state.submit("cmpl", [ids for _, ids in checked], params,

@@ -13,8 +13,8 @@ from pydantic import BaseModel, Field, model_validator
 
 from conveyor.sampling_params import PoolingParams
 from conveyor.server.errors import bad_request
-from conveyor.server.protocol import MAX_PROMPTS, UnimplementedField
-from conveyor.server.state import ServerState, collect
+from conveyor.server.protocol import MAX_PROMPTS, refuse_unimplemented
+from conveyor.server.state import ServerState, collect, prompt_list
 
 
 class EmbeddingRequest(BaseModel):
@@ -24,8 +24,7 @@ class EmbeddingRequest(BaseModel):
     @classmethod
     def _refuse_unimplemented(cls, data: Any) -> Any:
         # OpenAI's shortened vectors (Matryoshka models): no model served here is trained so
-        if isinstance(data, dict) and data.get("dimensions") is not None:
-            raise UnimplementedField("dimensions", data["dimensions"])
+        refuse_unimplemented(data, {"dimensions": (None,)})
         return data
 
     model: str | None = None
@@ -57,12 +56,6 @@ class EmbeddingResponse(BaseModel):
     usage: EmbeddingUsage
 
 
-def _inputs(given: str | list[str] | list[int] | list[list[int]]) -> list:
-    if isinstance(given, str) or isinstance(given[0], int):
-        return [given]
-    return list(given)
-
-
 def _encoded(vector: list[float], encoding: str) -> list[float] | str:
     if encoding == "float":
         return vector
@@ -76,7 +69,7 @@ async def create_embedding(body: EmbeddingRequest, raw: Request, state: ServerSt
         raise bad_request("this server generates text; embeddings need a server started with "
                           "--task embed", "input", "wrong_task")
     params = PoolingParams()
-    checked = [state.check_prompt(p, params, "input") for p in _inputs(body.input)]
+    checked = [state.check_prompt(p, params, "input") for p in prompt_list(body.input, "input")]
     request_id, submission = state.submit("embd", [ids for _, ids in checked], params)
     finals = await collect(raw, submission, len(checked))
     if finals is None:

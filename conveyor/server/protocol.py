@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import reprlib
 import time
+from collections.abc import Iterable
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -101,17 +102,32 @@ class UnimplementedField(ValueError):
         self.param = param
 
 
+def refuse_unimplemented(data: Any, table: dict[str, tuple], fields: Iterable[str] = (),
+                         messages: dict[str, str] | None = None) -> None:
+    """UnimplementedField for the first key of ``table`` (field -> the values that change
+    nothing) that ``data``, a request body, sets to another value, unless it is one of
+    ``fields`` (the model's own); ``messages``: a field's message, where more can be said."""
+    if isinstance(data, dict):
+        for key, value in data.items():
+            if key in table and key not in fields and value not in table[key]:
+                raise UnimplementedField(key, value, (messages or {}).get(key))
+
+
+def text_of(content: str | list | None) -> str:
+    """A message's content as text: a string, or its text parts joined."""
+    if isinstance(content, list):
+        return "".join(part.text for part in content)
+    return content if content is not None else ""
+
+
 class SamplingFields(BaseModel):
     """Fields shared by completions and chat, including vLLM's extras."""
 
     @model_validator(mode="before")
     @classmethod
     def _refuse_unimplemented(cls, data: Any) -> Any:
+        refuse_unimplemented(data, NOT_IMPLEMENTED, cls.model_fields)
         if isinstance(data, dict):
-            for key, value in data.items():
-                if (key in NOT_IMPLEMENTED and key not in cls.model_fields
-                        and value not in NOT_IMPLEMENTED[key]):
-                    raise UnimplementedField(key, value)
             unknown = [k for k in data if k not in cls.model_fields and k not in NOT_IMPLEMENTED]
             if unknown:  # as vLLM: ignored, and said so
                 logger.warning("these fields of a request are ignored (neither OpenAI's nor "
@@ -307,10 +323,7 @@ class ChatMessage(BaseModel):
 
     @property
     def text(self) -> str:
-        content = self.content
-        if isinstance(content, list):
-            return "".join(part.text for part in content)
-        return content if content is not None else ""
+        return text_of(self.content)
 
 
 FUNCTION_NAME = r"^[a-zA-Z0-9_-]{1,64}$"

@@ -7,7 +7,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
 
-from conveyor.server.protocol import FUNCTION_NAME, MAX_MESSAGES, JsonSchema, UnimplementedField
+from conveyor.server.protocol import (FUNCTION_NAME, MAX_MESSAGES, JsonSchema,
+                                      refuse_unimplemented, text_of)
 
 # Fields of OpenAI's request that this server does not implement: set to anything but the
 # values that change nothing (listed), each is a 400 naming it.
@@ -39,8 +40,7 @@ class InputMessage(BaseModel):
 
     @property
     def text(self) -> str:
-        c = self.content
-        return c if isinstance(c, str) else "".join(part.text for part in c)
+        return text_of(self.content)
 
 
 class FunctionCallInput(BaseModel):
@@ -63,8 +63,7 @@ class FunctionCallOutputInput(BaseModel):
 
     @property
     def text(self) -> str:
-        o = self.output
-        return o if isinstance(o, str) else "".join(part.text for part in o)
+        return text_of(self.output)
 
 
 def _item_type(item: Any) -> str | None:
@@ -117,11 +116,8 @@ class ResponsesRequest(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _refuse_unimplemented(cls, data: Any) -> Any:
-        if isinstance(data, dict):
-            for key, value in data.items():
-                if key in RESPONSES_NOT_IMPLEMENTED and value not in RESPONSES_NOT_IMPLEMENTED[key]:
-                    raise UnimplementedField(key, value, _NOT_STORED
-                                             if key == "previous_response_id" else None)
+        refuse_unimplemented(data, RESPONSES_NOT_IMPLEMENTED,
+                             messages={"previous_response_id": _NOT_STORED})
         return data
 
     model: str | None = Field(None, description="must be a served model name when given")

@@ -98,6 +98,16 @@ class ServerState:
             raise refusal_error(e) from e
 
 
+def prompt_list(given: str | list[str] | list[int] | list[list[int]], param: str) -> list:
+    """The prompts of a request field that takes one or many (a string or token ids, or a
+    list of them); a 400 naming ``param`` where it is empty."""
+    if isinstance(given, str) or (given and isinstance(given[0], int)):
+        return [given]
+    if not given:
+        raise bad_request(f"{param} must not be empty", param)
+    return list(given)
+
+
 def refusal_error(exc: Exception) -> APIError:
     """What a refused request is answered: 429 or 503 with Retry-After, or 503 once dead."""
     if isinstance(exc, TooManyRequests):
