@@ -265,8 +265,8 @@ class ModelRunner:
         hidden = self.forward(plan)
         if plan.logits_rows:
             self.logits(hidden, plan.logits_rows)
-        for i in range(0, len(plan.prompt_rows), PROMPT_LOGITS_ROWS):
-            self.logits(hidden, plan.prompt_rows[i:i + PROMPT_LOGITS_ROWS])
+        for _ in self._prompt_logits(hidden, plan.prompt_rows):  # rank 0's slices' gathers
+            pass
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> StepResult:
@@ -291,6 +291,13 @@ class ModelRunner:
                           self._prompt_logprobs(hidden, plan.prompt_rows, spans),
                           _pool(hidden, pooled))
 
+    def _prompt_logits(self, hidden: torch.Tensor, rows: list[int]):
+        """(slice of ``rows``, their logits) a PROMPT_LOGITS_ROWS at a time, on every
+        tensor-parallel rank alike (the logits are rank 0's; None on the others)."""
+        for i in range(0, len(rows), PROMPT_LOGITS_ROWS):
+            at = slice(i, i + PROMPT_LOGITS_ROWS)
+            yield at, self.logits(hidden, rows[at])
+
     def _prompt_logprobs(self, hidden: torch.Tensor, rows: list[int],
                          spans: list[tuple[Request, int, int]]) -> dict:
         """The prompt rows' logprobs of the prompt's next tokens (StepResult.prompt_logprobs),
@@ -299,11 +306,9 @@ class ModelRunner:
                    for p in range(first, first + count)]
         ks = [r.prompt_logprobs for r, _, count in spans for _ in range(count)]
         entries = []
-        for i in range(0, len(rows), PROMPT_LOGITS_ROWS):
-            logits = self.logits(hidden, rows[i:i + PROMPT_LOGITS_ROWS])
-            entries += ranked_logprobs(torch.log_softmax(logits, dim=-1),
-                                       targets[i:i + PROMPT_LOGITS_ROWS],
-                                       ks[i:i + PROMPT_LOGITS_ROWS])
+        for rows_at, logits in self._prompt_logits(hidden, rows):
+            entries += ranked_logprobs(torch.log_softmax(logits, dim=-1), targets[rows_at],
+                                       ks[rows_at])
         found, j = {}, 0
         for r, first, count in spans:
             found[r.request_id] = (first, entries[j:j + count])
