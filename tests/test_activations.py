@@ -12,7 +12,7 @@ from hypothesis.extra.numpy import arrays
 
 from conveyor.kernels.activations import fake_quantize, quantize
 
-LEVELS = {"int8": 127, "int16": 32767, "int8-token": 127}
+LEVELS = {"int8": 127, "int16": 16383, "int8-token": 127}
 ROWS = arrays(np.float32, st.tuples(st.integers(1, 3), st.sampled_from([32, 64, 96])),
               elements=st.floats(-1e4, 1e4, width=32))
 
@@ -46,9 +46,11 @@ def test_q8_0_scale_and_rounding():
 
 def test_greedy_agreement_with_float_activations():
     """The first 8 equivalence prompts' 40 greedy tokens (the default model, float32) with
-    integer activations against float ones, per prompt: identical throughout or not. Measured
-    on the Sapphire Rapids VM: int16 8 of 8, int8 5 of 8 (all 12 prompts: 12 and 5,
-    docs/results/activation-quant); asserted with a margin for other tiers' summation orders."""
+    integer activations against float ones, per prompt: identical throughout or not. Each
+    prompt runs alone, so that its decode steps are the one-row calls the integer kernels
+    take (its prompt is float: more rows than int_rows). Measured on the Sapphire Rapids VM:
+    int16 8 of 8, int8 3 of 8 (docs/results/activation-quant); asserted with a margin
+    for other tiers' summation orders."""
     from test_equivalence import NEW_TOKENS, text_prompts
 
     from conveyor import LLM, SamplingParams
@@ -57,9 +59,9 @@ def test_greedy_agreement_with_float_activations():
     outputs = {}
     for mode in ("none", "int16", "int8"):
         llm = LLM(dtype="float32", activation_quant=mode, num_kv_blocks=256, max_model_len=512)
-        prompts = [{"prompt_token_ids": p} for p in text_prompts(llm.get_tokenizer())[:8]]
-        outputs[mode] = [o.outputs[0].token_ids
-                         for o in llm.generate(prompts, params, use_tqdm=False)]
+        outputs[mode] = [llm.generate([{"prompt_token_ids": p}], params, use_tqdm=False)
+                         [0].outputs[0].token_ids
+                         for p in text_prompts(llm.get_tokenizer())[:8]]
         assert (mode == "none") == ("activations" not in llm.engine.runner.kernel_path)
     identical = {mode: sum(a == b for a, b in zip(outputs[mode], outputs["none"]))
                  for mode in ("int16", "int8")}

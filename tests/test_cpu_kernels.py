@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from conveyor.kernels import isa
 from conveyor.kernels.activations import fake_quantize
+from conveyor.kernels.bindings import QuantLinear
 from conveyor.kernels.blocks import QuantizedWeight
 from conveyor.kernels.library import BF16_HEAD_DIMS, cpu_kernels, kernels_at
 from conveyor.model.attention import gather_pages, write_kv
@@ -345,16 +346,18 @@ def block_linear_rows(model) -> int:
                if isinstance(m, Linear) and m.quant_linear is not None)
 
 
-def test_decode_stack_matches_the_layers(monkeypatch, default_gguf_path, native_dtype):
+@pytest.mark.parametrize("mode", ["none", "int8"])
+def test_decode_stack_matches_the_layers(monkeypatch, default_gguf_path, native_dtype, mode):
     """Each step, the prompts' (their tokens as queries of their own, causal by context length)
     and then a few decodes', runs through both the one-call stack and the layers one by one, on
     the same inputs: the same hidden states up to rare one-step bfloat16 differences (SiLU's
-    float32 exp and division, as C and PyTorch compute them, can round apart), or float32's."""
+    float32 exp and division, as C and PyTorch compute them, can round apart), or float32's.
+    With int8 activations, as many decodes as its integer linears take."""
     from conveyor import LLM, SamplingParams
     from conveyor.model.model import Transformer
 
     llm = LLM(model=default_gguf_path, dtype=str(native_dtype).removeprefix("torch."),
-              max_num_seqs=8)
+              max_num_seqs=8, activation_quant=mode)
     assert llm.engine.runner.model.decode_stack is not None
     forward, compared = Transformer.forward, []
 
@@ -374,7 +377,8 @@ def test_decode_stack_matches_the_layers(monkeypatch, default_gguf_path, native_
     # rows through the block kernel (more go to the prepacked matmul, which rounds apart from
     # the stack's), so 4 decodes there.
     model = llm.engine.runner.model
-    decodes = min(6, block_linear_rows(model))
+    linear = next(m.quant_linear for m in model.modules() if isinstance(m, Linear))
+    decodes = min(6, block_linear_rows(model), getattr(linear, "int_rows", 6))
     prompts = ["The capital of France is", "Once upon a time", "def f(x):", "1, 2, 3,",
                "Water boils at", "import numpy as"][:decodes]
     llm.generate(prompts, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True),
@@ -482,10 +486,13 @@ def test_tied_head_and_embedding_read_the_tables_blocks(default_gguf_path, nativ
 def test_integer_activation_linear_matches_its_reference(tier, dtype, mode, qtype, n, k):
     """--activation-quant: the block linear on integer activations against F.linear of the
     quantized activations (activations.fake_quantize, the reference's rounding) and the
-    loader's weights, in float64: float32 sums of exact integer products."""
+    loader's weights, in float64: float32 sums of exact integer products. The kernel takes
+    any number of rows; here it is made to take every call."""
     kernel = kernels_at(tier, dtype, 64, mode).quant_linear
+    kernel.int_rows = kernel.max_rows = 1 << 30
     weight, dense = random_blocks(qtype, n, k)
-    assert int(qtype) in kernel.types and kernel.in_format(weight) is weight
+    assert int(qtype) in kernel.types
+    weight = kernel.in_format(weight)  # (bfloat16: Q4_0, Q4_1 and Q8_0 scalars widened)
     gen = torch.Generator().manual_seed(n + k)
     wide = torch.randn(200, k + 32, generator=gen).to(dtype) * torch.exp(
         torch.randn(200, 1, generator=gen)).to(dtype)
@@ -502,3 +509,23 @@ def test_integer_activation_linear_matches_its_reference(tier, dtype, mode, qtyp
     if mode == "int8":
         plain = F.linear(x[:32].double(), dense.double(), bias.double())
         assert not torch.allclose(kernel(x[:32], weight, bias).double(), plain, rtol=1e-4)
+
+
+@pytest.mark.parametrize("tier,dtype", CASES)
+@pytest.mark.parametrize("mode", ["int16", "int8"])
+def test_integer_activations_take_a_decodes_few_rows_and_float_kernels_the_rest(tier, dtype,
+                                                                                  mode):
+    """A call of at most int_rows rows runs on integer activations; more rows, and dense
+    weights, are the float kernel's own result, bit for bit. (int16's few rows can round to
+    the float kernel's bfloat16 outputs: there only the float rows are asserted.)"""
+    kernels = kernels_at(tier, dtype, 64, mode)
+    integer, plain = kernels.quant_linear, QuantLinear(kernels.lib, dtype)
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(integer.int_rows + 3, 256, generator=gen).to(dtype)
+    for qtype in (Q.Q4_K, Q.Q8_0, *(DENSE if dtype == F32 else ())):
+        weight = integer.in_format(random_blocks(qtype, 24, 256)[0])
+        for rows in (integer.int_rows, integer.int_rows + 3):
+            same = torch.equal(integer(x[:rows], weight), plain(x[:rows], weight))
+            floats = rows > integer.int_rows or qtype in DENSE
+            if floats or mode == "int8" or dtype == F32:
+                assert same == floats, (qtype, rows)

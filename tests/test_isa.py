@@ -15,7 +15,7 @@ from conveyor.model import backend
 
 AVX2 = frozenset("sse4_2 avx avx2 fma f16c bmi2".split())            # AMD EPYC (Zen 2-3)
 SKYLAKE_X = AVX2 | {"avx512f", "avx512bw", "avx512vl", "avx512dq"}  # AVX-512, no BF16
-COOPER_LAKE = SKYLAKE_X | {"avx512_bf16"}
+COOPER_LAKE = SKYLAKE_X | {"avx512_bf16", "avx512_vnni"}
 SAPPHIRE_RAPIDS = COOPER_LAKE | {"amx_tile", "amx_bf16", "amx_int8"}
 CPU = torch.device("cpu")
 
@@ -24,6 +24,7 @@ CPU = torch.device("cpu")
     (frozenset(), "generic"), (frozenset({"avx", "sse4_2"}), "generic"),
     (frozenset({"avx2", "fma"}), "generic"),  # no F16C: not the avx2 tier
     (AVX2, "avx2"), (SKYLAKE_X, "avx2"), (COOPER_LAKE, "avx512"), (SAPPHIRE_RAPIDS, "amx"),
+    (SKYLAKE_X | {"avx512_bf16"}, "avx2"),  # no VNNI: the integer linears' instructions
     (AVX2 | {"amx_tile", "amx_bf16"}, "avx2"),  # a tier needs every tier's flags below it
 ])
 def test_tier_follows_the_flags(flags, tier):
@@ -43,7 +44,7 @@ def test_a_lower_tier_can_be_forced_and_a_higher_one_is_refused():
     forced = isa.choose(SAPPHIRE_RAPIDS, "avx2", machine="x86_64")
     assert (forced.tier, forced.detected, forced.forced) == ("avx2", "amx", True)
     assert not forced.native_bf16 and "CONVEYOR_CPU_ISA" in forced.describe()
-    with pytest.raises(ValueError, match="lacks avx512f .*avx512_bf16"):
+    with pytest.raises(ValueError, match="lacks avx512f .*avx512_bf16.*avx512_vnni"):
         isa.choose(AVX2, "avx512", machine="x86_64")
     with pytest.raises(ValueError, match="expected one of"):
         isa.choose(AVX2, "sse9", machine="x86_64")

@@ -5,8 +5,9 @@ mode does to a model's output (``benchmarks/activation_agreement.py``).
 Each row of activations is cut into runs of 32 values (a GGUF block's width); a run is scaled
 symmetrically to its largest magnitude and rounded to the nearest integer, halves to even (as
 SIMD conversions round): int8 is llama.cpp's Q8_0 (scale max|x| / 127, here kept in float32),
-int16 the same to 32767. ``int8-token`` scales a
-whole row at once (one scale per token), the coarser scheme llama.cpp does not use.
+int16 the same to 16383 (15 bits, so that a VNNI kernel takes each value as two signed bytes:
+128 * (p >> 7) + (p & 127)). ``int8-token`` scales a whole row at once (one scale per token),
+the coarser scheme llama.cpp does not use.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import torch
 
 ACTIVATION_MODES = ("none", "int16", "int8", "int8-token")
 BLOCK = 32
-_LEVELS = {"int16": 32767, "int8": 127, "int8-token": 127}
+_LEVELS = {"int16": 16383, "int8": 127, "int8-token": 127}
 
 
 def quantize(x: torch.Tensor, mode: str) -> tuple[torch.Tensor, torch.Tensor]:

@@ -182,16 +182,12 @@ class RopeKVWrite:
 
 
 class DequantRows:
-    """Rows of a matrix in GGUF blocks (in the format the dtype's block linears read; ``raw``:
-    as the file stores them, what the integer linears read), as dense rows of the model dtype:
-    the embedding table's rows a step looks up."""
+    """Rows of a matrix in GGUF blocks (in the format the dtype's block linears read), as
+    dense rows of the model dtype: the embedding table's rows a step looks up."""
 
-    def __init__(self, lib: ctypes.CDLL, dtype: torch.dtype, raw: bool = False) -> None:
+    def __init__(self, lib: ctypes.CDLL, dtype: torch.dtype) -> None:
         self.dtype = dtype
-        # (the float32 entry reads the file's blocks; its rows are then rounded to the dtype)
-        self._computes = torch.float32 if raw else dtype
-        self._fn = entry(lib, "dequant_rows", self._computes,
-                         [p, i64, i32, p, i32, i32, p, i64, i32], i32)
+        self._fn = entry(lib, "dequant_rows", dtype, [p, i64, i32, p, i32, i32, p, i64, i32], i32)
 
     def __call__(self, weight: QuantizedWeight, ids: torch.Tensor) -> torch.Tensor:
         """ids: [n] int64 row numbers (in range: the engine checks token ids). Returns
@@ -199,13 +195,13 @@ class DequantRows:
         ids = ids.contiguous()
         assert ids.dtype == torch.int64 and ids.device.type == "cpu"
         k = weight.blocks.shape[1] // weight.block_bytes * weight.block_values
-        out = torch.empty(len(ids), k, dtype=self._computes)
+        out = torch.empty(len(ids), k, dtype=self.dtype)
         rc = self._fn(weight.blocks.data_ptr(), weight.blocks.stride(0), weight.ggml_type,
                       ids.data_ptr(), len(ids), k, out.data_ptr(), out.stride(0),
                       torch.get_num_threads())
         if rc != 0:
             raise ValueError(f"dequant_rows: ggml type {weight.ggml_type} is not handled")
-        return out.to(self.dtype)
+        return out
 
 
 class QuantLinear:
@@ -281,29 +277,32 @@ class QuantLinear:
 
 
 class IntQuantLinear(QuantLinear):
-    """``QuantLinear`` on integer activations (``--activation-quant``): each run of 32 inputs
-    quantized to int16 or int8 (``activations.quantize``), multiplied with the blocks' integers
-    (csrc/generic/quant_linear_int.c). Every block type at any number of rows, in float32 or
-    bfloat16; dense weights are not its (they run in floating point)."""
+    """``QuantLinear`` on integer activations (``--activation-quant``) for a decode's few rows:
+    each run of 32 inputs quantized to int16 (15 bits) or int8 (``activations.quantize``) and
+    multiplied with the blocks' integers (csrc/avx512/quant_linear_int.c: VNNI; plain C below
+    it). Calls of more than ``int_rows`` rows, and dense weights, take the float kernels, which
+    are faster there (docs/results/activation-quant); the weights are in their format."""
 
-    LEVELS = {"int16": 32767, "int8": 127}
+    LEVELS = {"int16": 16383, "int8": 127}
+    # the most rows the integer kernel is faster at, at the avx512/amx tiers (AMX or the few-row
+    # FMA kernel take more); its two products a value make int16 faster only at one
+    INT_ROWS = {"int16": 1, "int8": 4}
 
     def __init__(self, lib: ctypes.CDLL, dtype: torch.dtype, mode: str) -> None:
-        self.dtype, self.mode, self.levels = dtype, mode, self.LEVELS[mode]
-        self._fn = entry(lib, "quant_linear_int", dtype,
-                         [p, i64, p, i64, i32, p, p, i64, i32, i32, i32, i32, i32], i32)
-        self.amx = self.wide = False
-        self.types = BLOCK_TYPES - set(DENSE_TYPES.values())
-        self.max_rows = self.F32_ROWS
-        self._dense_rows = None
+        super().__init__(lib, dtype)
+        self.mode, self.levels, self.int_rows = mode, self.LEVELS[mode], self.INT_ROWS[mode]
+        self._int_fn = entry(lib, "quant_linear_int", dtype,
+                             [p, i64, p, i64, i32, p, p, i64, i32, i32, i32, i32, i32], i32)
 
     def _call(self, x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None,
               y: torch.Tensor) -> None:
         rows, k = x.shape
-        rc = self._fn(x.data_ptr(), x.stride(0), w.blocks.data_ptr(), w.blocks.stride(0),
-                      w.ggml_type, None if bias is None else bias.data_ptr(), y.data_ptr(),
-                      y.stride(0), rows, w.blocks.shape[0], k, self.levels,
-                      torch.get_num_threads())
+        if rows > self.int_rows or w.ggml_type in DENSE_TYPES.values():
+            return super()._call(x, w, bias, y)
+        rc = self._int_fn(x.data_ptr(), x.stride(0), w.blocks.data_ptr(), w.blocks.stride(0),
+                          w.ggml_type, None if bias is None else bias.data_ptr(), y.data_ptr(),
+                          y.stride(0), rows, w.blocks.shape[0], k, self.levels,
+                          torch.get_num_threads())
         if rc == -2:
             raise MemoryError("quant_linear_int: no memory for its scratch buffers")
         if rc != 0:
@@ -335,7 +334,7 @@ class _Shape(ctypes.Structure):
     _fields_ = [(name, ctypes.c_int) for name in ("hidden", "heads", "kv_heads", "dim",
                                                     "intermediate", "block_size")] + [
         ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("softcap", ctypes.c_float),
-        ("gelu", ctypes.c_int)]
+        ("gelu", ctypes.c_int), ("levels", ctypes.c_int), ("int_rows", ctypes.c_int)]
 
 
 @dataclass
@@ -361,12 +360,13 @@ class StackLayer:
 
 class DecodeStack:
     """``decode_stack`` bound to one model's layers: call it with a step's embeddings, up to
-    ``max_rows`` (the rows a block-linear call takes)."""
+    ``max_rows`` (the rows a block-linear call takes). ``levels`` and ``int_rows``: an
+    ``IntQuantLinear``'s, for a step its integer linears take (0: none)."""
 
     def __init__(self, lib: ctypes.CDLL, dtype: torch.dtype, layers: list[StackLayer], *,
                  max_rows: int, heads: int, kv_heads: int, head_dim: int, intermediate: int,
                  eps: float, scale: float | None = None, softcap: float | None = None,
-                 act: str = "silu") -> None:
+                 act: str = "silu", levels: int = 0, int_rows: int = 0) -> None:
         self.dtype = dtype
         self.max_rows = max_rows
         self._fn = entry(lib, "decode_stack", dtype,
@@ -400,7 +400,7 @@ class DecodeStack:
         self._shape = _Shape(self.hidden, heads, kv_heads, head_dim, intermediate,
                              layers[0].k_cache.shape[1], eps,
                              head_dim ** -0.5 if scale is None else scale, softcap or 0.0,
-                             int(act == "gelu_pytorch_tanh"))
+                             int(act == "gelu_pytorch_tanh"), levels, int_rows)
         # a row's activations between the kernels (decode_stack.c); kept across steps, grown
         # as rows grow
         self._row_width = (2 * self.hidden + (2 * heads + 2 * kv_heads) * head_dim

@@ -24,7 +24,8 @@ SOURCES = Path(__file__).with_name("csrc")
 FOLDERS = {"generic": ("generic",), "avx2": ("generic", "avx2"),
            "avx512": ("generic", "avx2", "avx512"), "amx": ("generic", "avx2", "avx512")}
 _AVX2 = ["-mavx2", "-mfma", "-mf16c"]
-_AVX512 = _AVX2 + ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16"]
+_AVX512 = _AVX2 + ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16",
+                   "-mavx512vnni"]
 # Instruction sets a tier compiles for, when it is not this CPU's own best (then -march=native).
 TIER_FLAGS = {"generic": [], "avx2": _AVX2, "avx512": _AVX512,
               "amx": _AVX512 + ["-mamx-tile", "-mamx-bf16"]}

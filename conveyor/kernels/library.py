@@ -40,8 +40,11 @@ class CPUKernels:
     lib: ctypes.CDLL
 
     def decode_stack(self, layers: list[StackLayer], **shape) -> DecodeStack:
-        """The one-call layer stack over these layers."""
-        return DecodeStack(self.lib, self.dtype, layers, max_rows=self.quant_linear.max_rows,
+        """The one-call layer stack over these layers (its linears as quant_linear's)."""
+        linear = self.quant_linear
+        integer = ({"levels": linear.levels, "int_rows": linear.int_rows}
+                   if isinstance(linear, IntQuantLinear) else {})
+        return DecodeStack(self.lib, self.dtype, layers, max_rows=linear.max_rows, **integer,
                            **shape)
 
 
@@ -95,7 +98,7 @@ def kernels_at(tier: str, dtype: torch.dtype, head_dim: int, activation_quant: s
     return CPUKernels(tier, dtype, DecodeKernel(lib, dtype), AddRMSNorm(lib, dtype),
                       {act: GatedMul(lib, dtype, act) for act in GLU_KERNELS},
                       RopeKVWrite(lib, dtype), linear, ArgmaxRows(lib), SampleRows(lib),
-                      DequantRows(lib, dtype, raw=integer), lib)
+                      DequantRows(lib, dtype), lib)
 
 
 def cpu_kernels(device: torch.device, dtype: torch.dtype, head_dim: int,

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from conveyor.kernels import isa
-from conveyor.kernels.bindings import IntQuantLinear, StackLayer
+from conveyor.kernels.bindings import StackLayer
 from conveyor.kernels.blocks import DENSE_TYPES, QuantizedWeight
 from conveyor.kernels.library import CPUKernels
 from conveyor.model.gguf_file import matrices_by_type
@@ -151,7 +151,6 @@ def _use_decode_stack(model: Transformer, kernels: CPUKernels,
     bias (q/k norms, windows, Gemma's after-norms, GeGLU and soft cap it takes)."""
     linears = [m for layer in model.layers for m in layer.modules() if isinstance(m, Linear)]
     if (model.config.rotary_dim is not None or any(m.quantized is None for m in linears)
-            or isinstance(kernels.quant_linear, IntQuantLinear)  # (its linears are float)
             or any(layer.attention.wo.bias is not None for layer in model.layers)):
         return
     c = model.config

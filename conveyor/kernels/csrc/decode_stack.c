@@ -18,6 +18,9 @@
 int quant_linear_##T(const void *x, int64_t x_stride, const uint8_t *w, int64_t row_bytes, \
                      int type, const void *bias, void *y, int64_t y_stride, int rows, int n, \
                      int k, int threads); \
+int quant_linear_int_##T(const void *x, int64_t x_stride, const uint8_t *w, int64_t row_bytes, \
+                         int type, const void *bias, void *y, int64_t y_stride, int rows, int n, \
+                         int k, int levels, int threads); \
 void add_rms_norm_##T(const void *x, int64_t x_stride, void *residual, const void *weight, \
                       void *out, int64_t out_stride, int rows, int dim, float eps, int threads); \
 void silu_mul_##T(void *gu, int64_t stride, int rows, int inter, int threads); \
@@ -71,19 +74,25 @@ typedef struct {
     int hidden, heads, kv_heads, dim, intermediate, block_size;
     float eps, scale, softcap;              /* softcap: the scores'; 0: none */
     int gelu;                               /* the gate's activation: 0 SiLU, 1 GELU (tanh) */
+    int levels, int_rows;                   /* --activation-quant: a step of at most int_rows
+                                               rows on the integer linears (levels 0: none) */
 } Shape;
 
 /* y = x m^T (+ bias): each run's block linear into its columns of y. */
 static ALWAYS_INLINE int matrix_linear(const void *x, int64_t x_stride, const Matrix *m,
                                        const void *bias, void *y, int64_t y_stride, int rows,
-                                       int k, int threads, int bf16) {
+                                       int k, const Shape *s, int threads, int bf16) {
     const size_t elem = bf16 ? 2 : 4;
     int rc = 0;
     for (int i = 0, n0 = 0; i < m->runs && rc == 0; n0 += m->run[i++].rows) {
         const Run *r = &m->run[i];
-        rc = BY_DTYPE(quant_linear, x, x_stride, r->blocks, r->row_bytes, r->type,
-                      bias == NULL ? NULL : (const char *)bias + elem * n0,
-                      (char *)y + elem * n0, y_stride, rows, r->rows, k, threads);
+        const void *b = bias == NULL ? NULL : (const char *)bias + elem * n0;
+        if (s->levels && rows <= s->int_rows)  /* (as bindings.IntQuantLinear routes a call) */
+            rc = BY_DTYPE(quant_linear_int, x, x_stride, r->blocks, r->row_bytes, r->type, b,
+                          (char *)y + elem * n0, y_stride, rows, r->rows, k, s->levels, threads);
+        else
+            rc = BY_DTYPE(quant_linear, x, x_stride, r->blocks, r->row_bytes, r->type, b,
+                          (char *)y + elem * n0, y_stride, rows, r->rows, k, threads);
     }
     return rc;
 }
@@ -114,7 +123,8 @@ static ALWAYS_INLINE int decode_stack(const Layer *layers, int num_layers, const
         const Layer *l = &layers[i];
         BY_DTYPE(add_rms_norm, h, hid, i == 0 ? NULL : residual, l->attention_norm, x, hid, rows,
                  hid, s->eps, threads);
-        rc = matrix_linear(x, hid, &l->wqkv, l->qkv_bias, t_qkv, qkv, rows, hid, threads, bf16);
+        rc = matrix_linear(x, hid, &l->wqkv, l->qkv_bias, t_qkv, qkv, rows, hid, s, threads,
+                           bf16);
         if (rc) break;
         if (l->q_norm != NULL)  /* each head of q, then of k, normalised in place */
             for (int r = 0; r < rows; r++) {
@@ -131,19 +141,19 @@ static ALWAYS_INLINE int decode_stack(const Layer *layers, int num_layers, const
                       table_stride, context_lens, o, q, rows, s->heads, s->kv_heads, s->dim,
                       s->block_size, s->scale, l->window, s->softcap, threads);
         if (rc) break;
-        rc = matrix_linear(o, q, &l->wo, NULL, a, hid, rows, q, threads, bf16);
+        rc = matrix_linear(o, q, &l->wo, NULL, a, hid, rows, q, s, threads, bf16);
         if (rc) break;
         if (l->post_attention_norm != NULL)
             BY_DTYPE(add_rms_norm, a, hid, NULL, l->post_attention_norm, a, hid, rows, hid,
                      s->eps, threads);
         BY_DTYPE(add_rms_norm, a, hid, residual, l->ffn_norm, x, hid, rows, hid, s->eps, threads);
-        rc = matrix_linear(x, hid, &l->w13, NULL, gu, 2 * inter, rows, hid, threads, bf16);
+        rc = matrix_linear(x, hid, &l->w13, NULL, gu, 2 * inter, rows, hid, s, threads, bf16);
         if (rc) break;
         if (s->gelu)
             BY_DTYPE(gelu_tanh_mul, gu, 2 * inter, rows, inter, threads);
         else
             BY_DTYPE(silu_mul, gu, 2 * inter, rows, inter, threads);
-        rc = matrix_linear(gu, 2 * inter, &l->w2, NULL, h, hid, rows, inter, threads, bf16);
+        rc = matrix_linear(gu, 2 * inter, &l->w2, NULL, h, hid, rows, inter, s, threads, bf16);
         if (rc) break;
         if (l->post_ffn_norm != NULL)
             BY_DTYPE(add_rms_norm, h, hid, NULL, l->post_ffn_norm, h, hid, rows, hid, s->eps,

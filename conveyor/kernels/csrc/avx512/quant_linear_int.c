@@ -1,12 +1,18 @@
-/* The block linear on integer activations (--activation-quant) with AVX-512: the numerics of
- * generic/quant_linear_int.c (its comment has the formula), in vectors.
+/* The block linear on integer activations (--activation-quant) with AVX-512 VNNI: the numerics
+ * of generic/quant_linear_int.c (its comment has the formula), 64 products an instruction.
  *
- * OT output rows' blocks are unpacked once a call into 32 int16 values a chunk (one vector)
- * with their factors, then every activation row takes them, each chunk of it loaded once for
- * the OT: a chunk is one vpmaddwd of the weights with the activations' int16 (int8 values are
- * held as int16 too), its 16 int32 pair sums become float32 and take s, then d, (Q6_K's two
- * halves their own d) into an accumulator, so the lanes are summed once per output value, not
- * per chunk. The mins' share, m * s * sum(p), is a second vector dot product over the chunks.
+ * vpdpbusd multiplies 64 unsigned bytes by 64 signed ones and adds each 4 products into one of
+ * 16 int32 lanes. The weights are the unsigned bytes: every type's stored integers as they are
+ * (0..15, 0..31, 0..63; Q8_0's signed bytes plus 128), two chunks (64 weights) a vector in
+ * their natural order, unpacked with a shift and a mask. The offsets the types subtract (Q4_0's
+ * 8, Q6_K's 32, Q8_0's 128) start each lane at -offset * (its 4 activations' sum), worked out
+ * once a call. The activations are the signed bytes: int8 ones as they are; int16 ones (15 bits,
+ * |p| <= 16383) as p = 128 hi + lo, lo in 0..127, one vpdpbusd each. Each lane's int32 then
+ * becomes float32 and takes its chunk's d * s (Q6_K's sixteens their own d) in a float32
+ * accumulator, summed across lanes once per output value.
+ *
+ * A pass takes one weight row against up to RT activation rows, each vector of weights
+ * unpacked once for them; OB output rows stay in cache while every group of RT rows passes them.
  */
 #include <immintrin.h>
 #include <stdint.h>
@@ -17,72 +23,276 @@
 #include "common.h"
 #include "int_activations.h"
 
-/* 32 bytes' low (shift 0) or high (shift 4) nibbles, as bytes */
-static inline __m256i nibbles32(const uint8_t *p, int shift) {
-    return _mm256_and_si256(_mm256_srli_epi16(_mm256_loadu_si256((const __m256i *)p), shift),
-                            _mm256_set1_epi8(15));
+#define RT 8   /* activation rows a pass takes (1, 2, 4 or 8) */
+#define PREFETCH 2048
+#define OB 32  /* output rows a thread takes through every group of activation rows */
+
+/* The activations as vpdpbusd takes them, a vector per two chunks (64 values), [rows][pairs]:
+ * lo (int8: the values; int16: their low 7 bits) and hi (int16 only: the rest, p >> 7), off
+ * (-offset * each lane's 4 values' sum; NULL for a type without an offset), s (lanes 0-7 the
+ * first chunk's scale, 8-15 the second's), and sp [rows][chunks] (s * sum(p), the mins'). An
+ * odd last chunk is paired with zeros. */
+typedef struct {
+    __m512i *lo, *hi, *off;
+    __m512 *s;
+    float *sp;
+    int pairs;
+} Planes;
+
+static void planes_free(Planes *a) {
+    free(a->lo);
+    free(a->hi);
+    free(a->off);
+    free(a->s);
+    free(a->sp);
 }
 
-/* Chunk j's 32 quantized values of a row as int16, offsets applied, as chunk_quants
- * (blocks.h) has them. */
-static inline __m512i chunk_ints(const uint8_t *row, int type, int j) {
-    const uint8_t *b = chunk_block(row, type, j);
-    if (type == Q8_0)
-        return _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(b + 2)));
+/* The offset a type's stored integers carry (as unsigned bytes here). */
+static inline int type_offset(int type) {
+    return type == Q4_0 ? 8 : type == Q6_K ? 32 : type == Q8_0 ? 128 : 0;
+}
+
+/* x's rows quantized as int_activations.h's int_rows quantizes them (the same roundings, so
+ * not under fast math), straight into planes. Returns -2 (nothing held) without memory. */
+__attribute__((optimize("no-fast-math")))
+static int planes_of(Planes *a, const void *x, int64_t x_stride, int bf16, int rows, int k,
+                     int levels, int offset) {
+    const int chunks = k / 32, pairs = (chunks + 1) / 2;
+    const size_t vectors = (size_t)rows * pairs * 64;
+    memset(a, 0, sizeof *a);
+    a->pairs = pairs;
+    a->lo = aligned_alloc(64, vectors);
+    a->s = aligned_alloc(64, vectors);
+    a->sp = malloc((size_t)rows * chunks * sizeof(float));
+    if (levels > 127) a->hi = aligned_alloc(64, vectors);
+    if (offset) a->off = aligned_alloc(64, vectors);
+    if (a->lo == NULL || a->s == NULL || a->sp == NULL || (levels > 127 && a->hi == NULL)
+        || (offset && a->off == NULL)) {
+        planes_free(a);
+        return -2;
+    }
+    for (int r = 0; r < rows; r++)
+        for (int i = 0; i < pairs; i++) {
+            const int64_t at = (int64_t)r * pairs + i;
+            __m512 s = _mm512_setzero_ps();
+            __m128i lo[4] = {0}, hi[4] = {0};
+            for (int h = 0; h < 2 && 2 * i + h < chunks; h++) {
+                const int j = 2 * i + h;
+                const int64_t e0 = r * x_stride + 32 * j;
+                __m512 v0, v1;
+                if (bf16) {
+                    v0 = bf16x16_to_f32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)x + e0)));
+                    v1 = bf16x16_to_f32(_mm256_loadu_si256(
+                        (const __m256i *)((const uint16_t *)x + e0 + 16)));
+                } else {
+                    v0 = _mm512_loadu_ps((const float *)x + e0);
+                    v1 = _mm512_loadu_ps((const float *)x + e0 + 16);
+                }
+                const float amax = _mm512_reduce_max_ps(
+                    _mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+                const float scale = amax / (float)levels;
+                const __m512 inverse = _mm512_set1_ps(scale > 0.0f ? 1.0f / scale : 0.0f);
+                /* the default rounding: to nearest, halves to even, as rintf */
+                const __m512i p0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, inverse));
+                const __m512i p1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, inverse));
+                const int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(p0, p1));
+                a->sp[(int64_t)r * chunks + j] = scale * (float)sum;
+                s = _mm512_mask_mov_ps(s, h ? 0xff00 : 0x00ff, _mm512_set1_ps(scale));
+                const __m512i l0 = levels > 127 ? _mm512_and_si512(p0, _mm512_set1_epi32(127)) : p0;
+                const __m512i l1 = levels > 127 ? _mm512_and_si512(p1, _mm512_set1_epi32(127)) : p1;
+                lo[2 * h] = _mm512_cvtepi32_epi8(l0);
+                lo[2 * h + 1] = _mm512_cvtepi32_epi8(l1);
+                hi[2 * h] = _mm512_cvtepi32_epi8(_mm512_srai_epi32(p0, 7));
+                hi[2 * h + 1] = _mm512_cvtepi32_epi8(_mm512_srai_epi32(p1, 7));
+            }
+            const __m512i lov = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set_m128i(lo[1], lo[0])),
+                                                   _mm256_set_m128i(lo[3], lo[2]), 1);
+            _mm512_store_si512(a->lo + at, lov);
+            if (a->hi != NULL)
+                _mm512_store_si512(a->hi + at, _mm512_inserti64x4(
+                    _mm512_castsi256_si512(_mm256_set_m128i(hi[1], hi[0])),
+                    _mm256_set_m128i(hi[3], hi[2]), 1));
+            if (a->off != NULL) {  /* each lane's 4 values' sum: 128 hi + lo, summed */
+                const __m512i ones = _mm512_set1_epi8(1);
+                __m512i lanes = _mm512_dpbusd_epi32(_mm512_setzero_si512(), ones, lov);
+                if (a->hi != NULL)
+                    lanes = _mm512_add_epi32(lanes, _mm512_slli_epi32(_mm512_dpbusd_epi32(
+                        _mm512_setzero_si512(), ones, _mm512_load_si512(a->hi + at)), 7));
+                _mm512_store_si512(a->off + at, _mm512_mullo_epi32(lanes, _mm512_set1_epi32(-offset)));
+            }
+            _mm512_store_ps(a->s + at, s);
+        }
+    return 0;
+}
+
+/* Each 16-bit lane of v shifted right by the counts of its 128-bit (by128) or 256-bit quarter
+ * or half, then masked to `mask` per byte. */
+static inline __m512i shifted(__m512i v, __m512i counts, int mask) {
+    return _mm512_and_si512(_mm512_srlv_epi16(v, counts), _mm512_set1_epi8((char)mask));
+}
+
+static inline __m512i halves(int a, int b) {  /* 16-bit counts: a in the low 256 bits, b above */
+    return _mm512_inserti64x4(_mm512_set1_epi16((short)a), _mm256_set1_epi16((short)b), 1);
+}
+
+/* A block's fp16 scalar, or its float32 one where widened. */
+static inline float scalar(const uint8_t *p, int wide) {
+    float f;
+    if (!wide) return half_load(p);
+    memcpy(&f, p, 4);
+    return f;
+}
+
+/* The lanes of RT activation rows for one weight vector q (chunks 2i, 2i + 1) with its
+ * factors d: each row's int32 products to float32, times d * s, into acc. */
+static ALWAYS_INLINE void rows_step(__m512i q, __m512 d, const Planes *a, int64_t at, int rt,
+                                    int offset, __m512 acc[RT]) {
+    #pragma GCC unroll 8
+    for (int t = 0; t < rt; t++) {
+        const int64_t v = at + (int64_t)t * a->pairs;
+        __m512i dot = _mm512_dpbusd_epi32(offset ? a->off[v] : _mm512_setzero_si512(), q,
+                                          a->lo[v]);
+        if (a->hi != NULL)
+            dot = _mm512_add_epi32(dot, _mm512_slli_epi32(
+                _mm512_dpbusd_epi32(_mm512_setzero_si512(), q, a->hi[v]), 7));
+        acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(d, a->s[v]), acc[t]);
+    }
+}
+
+/* One weight row against activation rows r0 .. r0 + rt: out[t] its dot with each (no bias).
+ * m: scratch for the row's chunk mins. `type` and `rt` are constants in each caller. */
+static ALWAYS_INLINE void pass(const uint8_t *row, int type, int chunks, const Planes *a, int r0,
+                               int rt, int bf16, float *m, float *out) {
+    const int offset = type_offset(type);
+    const int64_t at = (int64_t)r0 * a->pairs;
+    __m512 acc[RT];
+    for (int t = 0; t < RT; t++) acc[t] = _mm512_setzero_ps();
     if (type == Q4_K || type == Q5_K) {
-        __m256i q = nibbles32(b + (type == Q4_K ? 16 : 48) + 32 * ((j & 7) >> 1), 4 * (j & 1));
-        if (type == Q5_K)  /* the fifth bit: bit j of each of 32 bytes */
-            q = _mm256_or_si256(q, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(
-                _mm256_loadu_si256((const __m256i *)(b + 16)), j & 7), _mm256_set1_epi8(1)), 4));
-        return _mm512_cvtepu8_epi16(q);
-    }
-    if (type == Q6_K) {
-        const int h = (j & 7) >> 2, t = j & 3;
-        const __m256i lo = nibbles32(b + 64 * h + 32 * (t & 1), 4 * (t >> 1));
-        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(
-            _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * h)), 2 * t), _mm256_set1_epi8(3));
-        return _mm512_sub_epi16(_mm512_cvtepu8_epi16(_mm256_or_si256(lo, _mm256_slli_epi16(hi, 4))),
-                                _mm512_set1_epi16(32));
-    }
-    /* Q4_0, Q4_1, Q5_1: weight e < 16 the low nibble of byte e, weight e + 16 its high one */
-    const uint8_t *qs = b + stored_values_at(type);
-    const __m128i bytes = _mm_loadu_si128((const __m128i *)qs), fifteen = _mm_set1_epi8(15);
-    __m512i q = _mm512_cvtepu8_epi16(_mm256_set_m128i(
-        _mm_and_si128(_mm_srli_epi16(bytes, 4), fifteen), _mm_and_si128(bytes, fifteen)));
-    if (type == Q4_0) q = _mm512_sub_epi16(q, _mm512_set1_epi16(8));
-    if (type == Q5_1) {  /* bit e of qh is weight e's fifth */
-        uint32_t qh;
-        memcpy(&qh, qs - 4, 4);
-        q = _mm512_mask_add_epi16(q, (__mmask32)qh, q, _mm512_set1_epi16(16));
-    }
-    return q;
-}
-
-#define OT 4  /* output rows a pass over the activations takes: each chunk of x read once */
-
-/* An output row unpacked: its chunks' ints (wq), each chunk's two half scales as one vector
- * (dlh: lanes 0-7 the first 16 weights', 8-15 the last 16's) and its min (m). */
-static void unpack_row(const uint8_t *row, int type, int chunks, int16_t *wq, __m512 *dlh,
-                       float *m) {
-    for (int j = 0; j < chunks; j++) {
-        float d[2];
-        if (type == Q4_K || type == Q5_K) {
-            if ((j & 7) == 0) {  /* a super-block's 8 chunks at once */
-                const uint8_t *b = chunk_block(row, type, j);
-                uint32_t u[4];
-                k_scales_mins(b, u);
-                const float dd = half_load(b), dmin = half_load(b + 2);
-                for (int c = 0; c < 8 && j + c < chunks; c++) {
-                    dlh[j + c] = _mm512_set1_ps(dd * (float)((const uint8_t *)u)[c]);
-                    m[j + c] = -(dmin * (float)((const uint8_t *)u)[8 + c]);
+        for (int sb = 0; sb < chunks / 8; sb++) {
+            const uint8_t *b = row + (int64_t)sb * stored_block_bytes(type);
+            _mm_prefetch((const char *)b + PREFETCH, _MM_HINT_T0);
+            _mm_prefetch((const char *)b + PREFETCH + 64, _MM_HINT_T0);
+            _mm_prefetch((const char *)b + PREFETCH + 128, _MM_HINT_T0);
+            uint32_t u[4];
+            k_scales_mins(b, u);
+            /* (from registers: a vector load of u's four scalar stores would wait on them) */
+            const __m128i scales_mins = _mm_set_epi32((int)u[3], (int)u[2], (int)u[1], (int)u[0]);
+            const __m512 sc = _mm512_castps256_ps512(_mm256_mul_ps(
+                _mm256_set1_ps(half_load(b)),
+                _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(scales_mins))));
+            _mm256_storeu_ps(m + 8 * sb, _mm256_mul_ps(
+                _mm256_set1_ps(-half_load(b + 2)),
+                _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(scales_mins, 8)))));
+            const __m512i fifth = type == Q5_K
+                ? _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(b + 16)))
+                : _mm512_setzero_si512();
+            #pragma GCC unroll 4
+            for (int g = 0; g < 4; g++) {
+                __m512i q = shifted(_mm512_broadcast_i64x4(_mm256_loadu_si256(
+                    (const __m256i *)(b + (type == Q4_K ? 16 : 48) + 32 * g))), halves(0, 4), 15);
+                if (type == Q5_K)  /* chunk c's fifth bits: bit c of each of 32 bytes */
+                    q = _mm512_or_si512(q, _mm512_slli_epi16(
+                        shifted(fifth, halves(2 * g, 2 * g + 1), 1), 4));
+                const __m512 d = _mm512_permutexvar_ps(
+                    _mm512_inserti64x4(_mm512_set1_epi32(2 * g), _mm256_set1_epi32(2 * g + 1), 1), sc);
+                rows_step(q, d, a, at + 4 * sb + g, rt, offset, acc);
+            }
+        }
+    } else if (type == Q6_K) {
+        for (int sb = 0; sb < chunks / 8; sb++) {
+            const uint8_t *b = row + (int64_t)sb * stored_block_bytes(type);
+            const __m512 sc = _mm512_mul_ps(_mm512_set1_ps(half_load(b + 208)), _mm512_cvtepi32_ps(
+                _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(b + 192)))));
+            #pragma GCC unroll 4
+            for (int g = 0; g < 4; g++) {  /* chunks 2g, 2g + 1: half h, nibbles t of ql */
+                const int h = g >> 1, t = 2 * (g & 1);
+                const __m512i ql = _mm512_loadu_si512(b + 64 * h);
+                const __m512i qh = _mm512_broadcast_i64x4(
+                    _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * h)));
+                const __m512i q = _mm512_or_si512(
+                    _mm512_and_si512(t ? _mm512_srli_epi16(ql, 4) : ql, _mm512_set1_epi8(15)),
+                    _mm512_slli_epi16(shifted(qh, halves(2 * t, 2 * t + 2), 3), 4));
+                const __m512 d = _mm512_permutexvar_ps(_mm512_set_epi32(
+                    4 * g + 3, 4 * g + 3, 4 * g + 3, 4 * g + 3, 4 * g + 2, 4 * g + 2, 4 * g + 2,
+                    4 * g + 2, 4 * g + 1, 4 * g + 1, 4 * g + 1, 4 * g + 1, 4 * g, 4 * g, 4 * g,
+                    4 * g), sc);
+                rows_step(q, d, a, at + 4 * sb + g, rt, offset, acc);
+            }
+        }
+    } else {
+        /* the bfloat16 entry reads Q4_0, Q4_1 and Q8_0 with their scalars widened to float32,
+         * as the bfloat16 float kernels do (blocks.py's WIDE_SCALARS) */
+        const int wide = bf16 && (type == Q4_0 || type == Q4_1 || type == Q8_0);
+        const int scalars = type == Q4_1 ? 2 : 1;
+        const int bytes = stored_block_bytes(type) + (wide ? 2 * scalars : 0);
+        const int qs = stored_values_at(type) + (wide ? 2 * scalars : 0);
+        /* 16-bit counts by 128-bit quarter: low nibbles, high, low, high */
+        const __m512i counts = _mm512_set_epi64(0x0004000400040004, 0x0004000400040004, 0, 0,
+                                                0x0004000400040004, 0x0004000400040004, 0, 0);
+        for (int i = 0; i < a->pairs; i++) {
+            const int j0 = 2 * i, j1 = 2 * i + 1 < chunks ? 2 * i + 1 : j0;  /* (zeros' pair) */
+            const uint8_t *b0 = row + (int64_t)j0 * bytes, *b1 = row + (int64_t)j1 * bytes;
+            const __m512 d = _mm512_mask_blend_ps(0xff00, _mm512_set1_ps(scalar(b0, wide)),
+                                                  _mm512_set1_ps(scalar(b1, wide)));
+            if (has_min(type)) {
+                m[j0] = scalar(b0 + (wide ? 4 : 2), wide);
+                m[j1] = scalar(b1 + (wide ? 4 : 2), wide);
+            }
+            __m512i q;
+            if (type == Q8_0) {
+                q = _mm512_xor_si512(_mm512_inserti64x4(
+                    _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(b0 + qs))),
+                    _mm256_loadu_si256((const __m256i *)(b1 + qs)), 1), _mm512_set1_epi8((char)0x80));
+            } else {
+                const __m512i v = _mm512_inserti64x4(
+                    _mm512_castsi256_si512(_mm256_broadcastsi128_si256(
+                        _mm_loadu_si128((const __m128i *)(b0 + qs)))),
+                    _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(b1 + qs))), 1);
+                q = shifted(v, counts, 15);
+                if (type == Q5_1) {  /* bit e of a block's qh is weight e's fifth */
+                    uint32_t h0, h1;
+                    memcpy(&h0, b0 + 4, 4);
+                    memcpy(&h1, b1 + 4, 4);
+                    q = _mm512_mask_add_epi8(q, (__mmask64)h0 | (__mmask64)h1 << 32, q,
+                                             _mm512_set1_epi8(16));
                 }
             }
-        } else {
-            chunk_scales(row, type, j, d, m + j);
-            dlh[j] = _mm512_mask_mov_ps(_mm512_set1_ps(d[0]), 0xff00, _mm512_set1_ps(d[1]));
+            rows_step(q, d, a, at + i, rt, offset, acc);
         }
-        _mm512_storeu_si512(wq + 32 * j, chunk_ints(row, type, j));
     }
+    for (int t = 0; t < rt; t++) {
+        __m512 macc = _mm512_setzero_ps();
+        if (has_min(type)) {
+            const float *sp = a->sp + (int64_t)(r0 + t) * chunks;
+            for (int j = 0; j < chunks; j += 16) {
+                const __mmask16 live = chunks - j >= 16 ? 0xffff
+                                       : (__mmask16)((1u << (chunks - j)) - 1);
+                macc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(live, m + j),
+                                       _mm512_maskz_loadu_ps(live, sp + j), macc);
+            }
+        }
+        out[t] = _mm512_reduce_add_ps(acc[t]) + _mm512_reduce_add_ps(macc);
+    }
+}
+
+/* pass() with the type and row count constant (each a specialisation). */
+#define PASS_TYPE(RTC) \
+    switch (type) { \
+    case Q4_0: pass(row, Q4_0, chunks, a, r0, RTC, bf16, m, out); break; \
+    case Q4_1: pass(row, Q4_1, chunks, a, r0, RTC, bf16, m, out); break; \
+    case Q5_1: pass(row, Q5_1, chunks, a, r0, RTC, bf16, m, out); break; \
+    case Q8_0: pass(row, Q8_0, chunks, a, r0, RTC, bf16, m, out); break; \
+    case Q4_K: pass(row, Q4_K, chunks, a, r0, RTC, bf16, m, out); break; \
+    case Q5_K: pass(row, Q5_K, chunks, a, r0, RTC, bf16, m, out); break; \
+    default: pass(row, Q6_K, chunks, a, r0, RTC, bf16, m, out); break; \
+    }
+
+static void pass_rows(const uint8_t *row, int type, int chunks, const Planes *a, int r0, int rt,
+                      int bf16, float *m, float *out) {
+    if (rt == 8) { PASS_TYPE(8) }
+    else if (rt == 4) { PASS_TYPE(4) }
+    else if (rt == 2) { PASS_TYPE(2) }
+    else { PASS_TYPE(1) }
 }
 
 static int quant_linear_int(const void *x, int64_t x_stride, int bf16, const uint8_t *w,
@@ -90,61 +300,33 @@ static int quant_linear_int(const void *x, int64_t x_stride, int bf16, const uin
                             int64_t y_stride, int rows, int n, int k, int levels, int threads) {
     if (!int_linear_takes(type, k, rows, levels)) return -1;
     const int chunks = k / 32;
-    IntRows a;
-    if (int_rows(&a, x, x_stride, bf16, rows, k, levels) != 0) return -2;
+    Planes a;
+    if (planes_of(&a, x, x_stride, bf16, rows, k, levels, type_offset(type)) != 0) return -2;
     int failed = 0;
     #pragma omp parallel num_threads(threads)
     {
-        int16_t *wq = malloc((size_t)OT * k * sizeof(int16_t));
-        __m512 *dlh = aligned_alloc(64, (size_t)OT * chunks * sizeof(__m512));
-        float *m = malloc((size_t)OT * chunks * sizeof(float));
+        float *m = malloc((size_t)(chunks + 1) * sizeof(float));
         int n0, n1;
         thread_share(n, &n0, &n1);
-        if (wq == NULL || dlh == NULL || m == NULL) failed = 1;
-        for (int o0 = n0; !failed && o0 < n1; o0 += OT) {
-            const int ot = n1 - o0 < OT ? n1 - o0 : OT;
-            for (int t = 0; t < ot; t++)
-                unpack_row(w + (int64_t)(o0 + t) * row_bytes, type, chunks, wq + (int64_t)t * k,
-                           dlh + (int64_t)t * chunks, m + (int64_t)t * chunks);
-            for (int r = 0; r < rows; r++) {
-                const int16_t *pr = a.p + (int64_t)r * k;
-                const float *sr = a.s + (int64_t)r * chunks, *spr = a.sp + (int64_t)r * chunks;
-                __m512 acc[OT];
-                for (int t = 0; t < OT; t++) acc[t] = _mm512_setzero_ps();
-                for (int j = 0; j < chunks; j++) {
-                    const __m512i pv = _mm512_loadu_si512(pr + 32 * j);
-                    const __m512 sv = _mm512_set1_ps(sr[j]);
-                    #pragma GCC unroll 4
-                    for (int t = 0; t < OT; t++) {
-                        if (t >= ot) break;
-                        const __m512i pairs = _mm512_madd_epi16(
-                            _mm512_loadu_si512(wq + (int64_t)t * k + 32 * j), pv);
-                        acc[t] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(pairs), sv),
-                                                 dlh[(int64_t)t * chunks + j], acc[t]);
-                    }
+        if (m == NULL) failed = 1;
+        for (int ob = n0; !failed && ob < n1; ob += OB)
+            for (int r0 = 0; r0 < rows;) {
+                const int left = rows - r0;
+                const int rt = left >= 8 ? 8 : left >= 4 ? 4 : left >= 2 ? 2 : 1;
+                for (int o = ob; o < n1 && o < ob + OB; o++) {
+                    float out[RT];
+                    pass_rows(w + (int64_t)o * row_bytes, type, chunks, &a, r0, rt, bf16, m, out);
+                    const float b = bias != NULL ? elem_load(bias, o, bf16) : 0.0f;
+                    for (int t = 0; t < rt; t++)
+                        elem_store(y, (r0 + t) * y_stride + o, out[t] + b, bf16);
                 }
-                for (int t = 0; t < ot; t++) {
-                    __m512 macc = _mm512_setzero_ps();
-                    if (has_min(type))
-                        for (int j = 0; j < chunks; j += 16) {
-                            const __mmask16 live = chunks - j >= 16 ? 0xffff
-                                                   : (__mmask16)((1u << (chunks - j)) - 1);
-                            macc = _mm512_fmadd_ps(
-                                _mm512_maskz_loadu_ps(live, m + (int64_t)t * chunks + j),
-                                _mm512_maskz_loadu_ps(live, spr + j), macc);
-                        }
-                    const float b = bias != NULL ? elem_load(bias, o0 + t, bf16) : 0.0f;
-                    elem_store(y, r * y_stride + o0 + t, _mm512_reduce_add_ps(acc[t])
-                               + _mm512_reduce_add_ps(macc) + b, bf16);
-                }
+                r0 += rt;
             }
-        }
-        free(wq);
-        free(dlh);
         free(m);
     }
-    int_rows_free(&a);
+    planes_free(&a);
     return failed ? -2 : 0;
 }
 
-INT_LINEAR_ENTRIES(quant_linear_int)
+INT_LINEAR_F32(quant_linear_int)
+INT_LINEAR_BF16(quant_linear_int)

@@ -2,16 +2,17 @@
  *
  * Each row of x is cut into runs of 32 values (a chunk of the weights' row), each run scaled
  * to its largest magnitude and rounded to the nearest integer, halves to even: int16 (levels
- * 32767) or int8 (127, llama.cpp's Q8_0), x ~ s * p. A chunk of weights is w = d * q + m
+ * 16383: 15 bits, so that the VNNI kernels take each value as two signed bytes) or int8 (127,
+ * llama.cpp's Q8_0), x ~ s * p. A chunk of weights is w = d * q + m
  * (blocks.h; Q6_K has a d per 16), so its share of y is
  *
  *     (d * s) * (q . p) + (m * s) * sum(p)
  *
- * with q . p an exact integer dot product (|q| <= 128, |p| <= 32767, 16 of them: within
+ * with q . p an exact integer dot product (|q| <= 128, |p| <= 16383, 16 of them: within
  * int32) and the rest float32. conveyor/kernels/activations.py is the quantization's
  * reference; the sums are F.linear's on the quantized activations up to float32 rounding.
- * From the avx2 tier on, each 16 products are one pmaddwd; a tier's own file, with the
- * products kept in vectors across chunks, is to replace this one.
+ * From the avx2 tier on, each 16 products are one pmaddwd; avx512/quant_linear_int.c replaces
+ * this file at the tiers with VNNI.
  */
 #include <math.h>
 #include <stdint.h>
@@ -21,6 +22,54 @@
 #include "blocks.h"
 #include "common.h"
 #include "int_activations.h"
+
+/* x's rows as an integer linear multiplies them: p [rows][k] int16, and per run of 32 its
+ * scale s and s * sum(p) (sp: what a chunk's min multiplies) [rows][k / 32]. */
+typedef struct {
+    int16_t *p;
+    float *s, *sp;
+} IntRows;
+
+static inline void int_rows_free(IntRows *a) {
+    free(a->p);
+    free(a->s);
+    free(a->sp);
+}
+
+/* Each run of 32 values scaled to amax / levels, rounded with its inverse 1 / scale. Not under
+ * fast math: both rounded as the reference rounds them (a reciprocal instead of the division
+ * could move a value across a rounding boundary). Returns -2 (nothing held) without memory. */
+__attribute__((optimize("no-fast-math")))
+static int int_rows(IntRows *a, const void *x, int64_t x_stride, int bf16, int rows, int k,
+                    int levels) {
+    const int chunks = k / 32;
+    a->p = malloc((size_t)rows * k * sizeof(int16_t));
+    a->s = malloc((size_t)rows * chunks * sizeof(float));
+    a->sp = malloc((size_t)rows * chunks * sizeof(float));
+    if (a->p == NULL || a->s == NULL || a->sp == NULL) {
+        int_rows_free(a);
+        return -2;
+    }
+    for (int r = 0; r < rows; r++)
+        for (int j = 0; j < chunks; j++) {
+            float v[32], amax = 0.0f;
+            for (int e = 0; e < 32; e++) {
+                v[e] = elem_load(x, r * x_stride + 32 * j + e, bf16);
+                amax = fmaxf(amax, fabsf(v[e]));
+            }
+            const float scale = amax / (float)levels;
+            const float inverse = scale > 0.0f ? 1.0f / scale : 0.0f;
+            int32_t sum = 0;
+            for (int e = 0; e < 32; e++) {
+                const int16_t q = (int16_t)rintf(v[e] * inverse);
+                a->p[((int64_t)r * chunks + j) * 32 + e] = q;
+                sum += q;
+            }
+            a->s[(int64_t)r * chunks + j] = scale;
+            a->sp[(int64_t)r * chunks + j] = scale * (float)sum;
+        }
+    return 0;
+}
 
 /* sum of a[e] * b[e] over 16 int16 pairs (exact in int32) */
 static inline int32_t dot16(const int16_t *a, const int16_t *b) {
@@ -85,4 +134,4 @@ static int quant_linear_int(const void *x, int64_t x_stride, int bf16, const uin
     return failed ? -2 : 0;
 }
 
-INT_LINEAR_ENTRIES(quant_linear_int)
+INT_LINEAR_F32(quant_linear_int)
