@@ -24,7 +24,7 @@
 #include "int_activations.h"
 
 #define RT 8   /* activation rows a pass takes (1, 2, 4 or 8) */
-#define PREFETCH 2048
+#define PREFETCH 2048  /* bytes ahead of the blocks being read (prefetch()) */
 #define OB 32  /* output rows a thread takes through every group of activation rows */
 
 /* The activations as vpdpbusd takes them, a vector per two chunks (64 values), [rows][pairs]:
@@ -135,6 +135,13 @@ static inline __m512i halves(int a, int b) {  /* 16-bit counts: a in the low 256
     return _mm512_inserti64x4(_mm512_set1_epi16((short)a), _mm256_set1_epi16((short)b), 1);
 }
 
+/* The blocks PREFETCH bytes on from these `bytes`: at a decode's few rows the products keep
+ * up with memory, and the hardware's own prefetching alone left it idle part of the time. */
+static inline void prefetch(const uint8_t *p, int bytes) {
+    for (int at = 0; at < bytes; at += 64)
+        _mm_prefetch((const char *)p + PREFETCH + at, _MM_HINT_T0);
+}
+
 /* A block's fp16 scalar, or its float32 one where widened. */
 static inline float scalar(const uint8_t *p, int wide) {
     float f;
@@ -170,9 +177,7 @@ static ALWAYS_INLINE void pass(const uint8_t *row, int type, int chunks, const P
     if (type == Q4_K || type == Q5_K) {
         for (int sb = 0; sb < chunks / 8; sb++) {
             const uint8_t *b = row + (int64_t)sb * stored_block_bytes(type);
-            _mm_prefetch((const char *)b + PREFETCH, _MM_HINT_T0);
-            _mm_prefetch((const char *)b + PREFETCH + 64, _MM_HINT_T0);
-            _mm_prefetch((const char *)b + PREFETCH + 128, _MM_HINT_T0);
+            prefetch(b, stored_block_bytes(type));
             uint32_t u[4];
             k_scales_mins(b, u);
             /* (from registers: a vector load of u's four scalar stores would wait on them) */
@@ -201,6 +206,7 @@ static ALWAYS_INLINE void pass(const uint8_t *row, int type, int chunks, const P
     } else if (type == Q6_K) {
         for (int sb = 0; sb < chunks / 8; sb++) {
             const uint8_t *b = row + (int64_t)sb * stored_block_bytes(type);
+            prefetch(b, stored_block_bytes(type));
             const __m512 sc = _mm512_mul_ps(_mm512_set1_ps(half_load(b + 208)), _mm512_cvtepi32_ps(
                 _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(b + 192)))));
             #pragma GCC unroll 4
@@ -232,6 +238,7 @@ static ALWAYS_INLINE void pass(const uint8_t *row, int type, int chunks, const P
         for (int i = 0; i < a->pairs; i++) {
             const int j0 = 2 * i, j1 = 2 * i + 1 < chunks ? 2 * i + 1 : j0;  /* (zeros' pair) */
             const uint8_t *b0 = row + (int64_t)j0 * bytes, *b1 = row + (int64_t)j1 * bytes;
+            prefetch(b0, 2 * bytes);
             const __m512 d = _mm512_mask_blend_ps(0xff00, _mm512_set1_ps(scalar(b0, wide)),
                                                   _mm512_set1_ps(scalar(b1, wide)));
             if (has_min(type)) {
