@@ -82,9 +82,10 @@ class EngineConfig:
     device: str | None = setting(None, "cpu or cuda (default: cuda when present)")
     threads: int | None = setting(None, "CPU threads for the model (default: PyTorch's)")
     activation_quant: str = setting(
-        "none", "the GGUF block linears multiply integer activations, each run of 32 inputs "
-                "scaled to int16 or int8 (llama.cpp's Q8_0 numerics; agreement with none in "
-                "docs/results/activation-quant); plain-C kernels for now, slower than none",
+        "none", "a decode's few rows of the GGUF block linears multiply integer activations, "
+                "each run of 32 inputs scaled to int16 (15 bits) or int8 (llama.cpp's Q8_0 "
+                "numerics); VNNI kernels at the avx512/amx tiers, plain C below (slower); "
+                "agreement and speed: docs/results/activation-quant",
         choices=ACTIVATION_QUANTS)
     quantization: str | None = setting(
         None, "quantize a Hugging Face folder's linears into these GGUF blocks at load",

@@ -268,17 +268,16 @@ static ALWAYS_INLINE void pass(const uint8_t *row, int type, int chunks, const P
         }
     }
     for (int t = 0; t < rt; t++) {
-        __m512 macc = _mm512_setzero_ps();
-        if (has_min(type)) {
+        if (has_min(type)) {  /* the mins' share: m . (s * sum(p)) over the chunks */
             const float *sp = a->sp + (int64_t)(r0 + t) * chunks;
             for (int j = 0; j < chunks; j += 16) {
                 const __mmask16 live = chunks - j >= 16 ? 0xffff
                                        : (__mmask16)((1u << (chunks - j)) - 1);
-                macc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(live, m + j),
-                                       _mm512_maskz_loadu_ps(live, sp + j), macc);
+                acc[t] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(live, m + j),
+                                         _mm512_maskz_loadu_ps(live, sp + j), acc[t]);
             }
         }
-        out[t] = _mm512_reduce_add_ps(acc[t]) + _mm512_reduce_add_ps(macc);
+        out[t] = _mm512_reduce_add_ps(acc[t]);
     }
 }
 
