@@ -52,8 +52,15 @@ static inline int type_offset(int type) {
     return type == Q4_0 ? 8 : type == Q6_K ? 32 : type == Q8_0 ? 128 : 0;
 }
 
-/* x's rows quantized as int_activations.h's int_rows quantizes them (the same roundings, so
- * not under fast math), straight into planes. Returns -2 (nothing held) without memory. */
+/* Four 16-byte runs as one vector, the first lowest. */
+static inline __m512i join4(const __m128i q[4]) {
+    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set_m128i(q[1], q[0])),
+                              _mm256_set_m128i(q[3], q[2]), 1);
+}
+
+/* x's rows quantized as generic/quant_linear_int.c's int_rows quantizes them (the same
+ * roundings, so not under fast math), straight into planes. Returns -2 (nothing held) without
+ * memory. */
 __attribute__((optimize("no-fast-math")))
 static int planes_of(Planes *a, const void *x, int64_t x_stride, int bf16, int rows, int k,
                      int levels, int offset) {
@@ -81,9 +88,9 @@ static int planes_of(Planes *a, const void *x, int64_t x_stride, int bf16, int r
                 const int64_t e0 = r * x_stride + 32 * j;
                 __m512 v0, v1;
                 if (bf16) {
-                    v0 = bf16x16_to_f32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)x + e0)));
-                    v1 = bf16x16_to_f32(_mm256_loadu_si256(
-                        (const __m256i *)((const uint16_t *)x + e0 + 16)));
+                    const uint16_t *xe = (const uint16_t *)x + e0;
+                    v0 = bf16x16_to_f32(_mm256_loadu_si256((const __m256i *)xe));
+                    v1 = bf16x16_to_f32(_mm256_loadu_si256((const __m256i *)(xe + 16)));
                 } else {
                     v0 = _mm512_loadu_ps((const float *)x + e0);
                     v1 = _mm512_loadu_ps((const float *)x + e0 + 16);
@@ -98,35 +105,36 @@ static int planes_of(Planes *a, const void *x, int64_t x_stride, int bf16, int r
                 const int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(p0, p1));
                 a->sp[(int64_t)r * chunks + j] = scale * (float)sum;
                 s = _mm512_mask_mov_ps(s, h ? 0xff00 : 0x00ff, _mm512_set1_ps(scale));
-                const __m512i l0 = levels > 127 ? _mm512_and_si512(p0, _mm512_set1_epi32(127)) : p0;
-                const __m512i l1 = levels > 127 ? _mm512_and_si512(p1, _mm512_set1_epi32(127)) : p1;
-                lo[2 * h] = _mm512_cvtepi32_epi8(l0);
-                lo[2 * h + 1] = _mm512_cvtepi32_epi8(l1);
-                hi[2 * h] = _mm512_cvtepi32_epi8(_mm512_srai_epi32(p0, 7));
-                hi[2 * h + 1] = _mm512_cvtepi32_epi8(_mm512_srai_epi32(p1, 7));
+                if (a->hi != NULL) {  /* int16: p = 128 hi + lo */
+                    hi[2 * h] = _mm512_cvtepi32_epi8(_mm512_srai_epi32(p0, 7));
+                    hi[2 * h + 1] = _mm512_cvtepi32_epi8(_mm512_srai_epi32(p1, 7));
+                    const __m512i low7 = _mm512_set1_epi32(127);
+                    lo[2 * h] = _mm512_cvtepi32_epi8(_mm512_and_si512(p0, low7));
+                    lo[2 * h + 1] = _mm512_cvtepi32_epi8(_mm512_and_si512(p1, low7));
+                } else {
+                    lo[2 * h] = _mm512_cvtepi32_epi8(p0);
+                    lo[2 * h + 1] = _mm512_cvtepi32_epi8(p1);
+                }
             }
-            const __m512i lov = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set_m128i(lo[1], lo[0])),
-                                                   _mm256_set_m128i(lo[3], lo[2]), 1);
+            const __m512i lov = join4(lo);
             _mm512_store_si512(a->lo + at, lov);
-            if (a->hi != NULL)
-                _mm512_store_si512(a->hi + at, _mm512_inserti64x4(
-                    _mm512_castsi256_si512(_mm256_set_m128i(hi[1], hi[0])),
-                    _mm256_set_m128i(hi[3], hi[2]), 1));
+            if (a->hi != NULL) _mm512_store_si512(a->hi + at, join4(hi));
             if (a->off != NULL) {  /* each lane's 4 values' sum: 128 hi + lo, summed */
                 const __m512i ones = _mm512_set1_epi8(1);
                 __m512i lanes = _mm512_dpbusd_epi32(_mm512_setzero_si512(), ones, lov);
                 if (a->hi != NULL)
                     lanes = _mm512_add_epi32(lanes, _mm512_slli_epi32(_mm512_dpbusd_epi32(
                         _mm512_setzero_si512(), ones, _mm512_load_si512(a->hi + at)), 7));
-                _mm512_store_si512(a->off + at, _mm512_mullo_epi32(lanes, _mm512_set1_epi32(-offset)));
+                _mm512_store_si512(a->off + at,
+                                   _mm512_mullo_epi32(lanes, _mm512_set1_epi32(-offset)));
             }
             _mm512_store_ps(a->s + at, s);
         }
     return 0;
 }
 
-/* Each 16-bit lane of v shifted right by the counts of its 128-bit (by128) or 256-bit quarter
- * or half, then masked to `mask` per byte. */
+/* Each 16-bit lane of v shifted right by its own count (counts, lane for lane), then each byte
+ * masked to `mask`. */
 static inline __m512i shifted(__m512i v, __m512i counts, int mask) {
     return _mm512_and_si512(_mm512_srlv_epi16(v, counts), _mm512_set1_epi8((char)mask));
 }
@@ -198,8 +206,8 @@ static ALWAYS_INLINE void pass(const uint8_t *row, int type, int chunks, const P
                 if (type == Q5_K)  /* chunk c's fifth bits: bit c of each of 32 bytes */
                     q = _mm512_or_si512(q, _mm512_slli_epi16(
                         shifted(fifth, halves(2 * g, 2 * g + 1), 1), 4));
-                const __m512 d = _mm512_permutexvar_ps(
-                    _mm512_inserti64x4(_mm512_set1_epi32(2 * g), _mm256_set1_epi32(2 * g + 1), 1), sc);
+                const __m512 d = _mm512_permutexvar_ps(_mm512_inserti64x4(
+                    _mm512_set1_epi32(2 * g), _mm256_set1_epi32(2 * g + 1), 1), sc);
                 rows_step(q, d, a, at + 4 * sb + g, rt, offset, acc);
             }
         }
@@ -249,7 +257,8 @@ static ALWAYS_INLINE void pass(const uint8_t *row, int type, int chunks, const P
             if (type == Q8_0) {
                 q = _mm512_xor_si512(_mm512_inserti64x4(
                     _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(b0 + qs))),
-                    _mm256_loadu_si256((const __m256i *)(b1 + qs)), 1), _mm512_set1_epi8((char)0x80));
+                    _mm256_loadu_si256((const __m256i *)(b1 + qs)), 1),
+                    _mm512_set1_epi8((char)0x80));
             } else {
                 const __m512i v = _mm512_inserti64x4(
                     _mm512_castsi256_si512(_mm256_broadcastsi128_si256(
