@@ -34,7 +34,11 @@ def check_against(reference: torch.Tensor, ids: list[int], entries: list, k: int
     for i in range(1, len(ids)):
         row, got = reference[i - 1], entries[i]
         assert abs(got[ids[i]][0] - float(row[ids[i]])) < TOLERANCE, i
-        assert got[ids[i]][1] == int((row > row[ids[i]]).sum()) + 1, i
+        # its rank: one past the tokens above it, give or take those within float32's rounding
+        # of it (a 49k vocabulary has tens of values within 1e-4 of a middling one)
+        value = float(row[ids[i]])
+        above, near = int((row > value + 1e-4).sum()), int((row > value - 1e-4).sum())
+        assert above + 1 <= got[ids[i]][1] <= near, i
         top = row.topk(k)
         alternatives = {t: v for t, v in got.items() if v[1] <= k}
         assert len(alternatives) == k, i
