@@ -216,7 +216,7 @@ METADATA_FAULTS = {
     "nan-eps": (_set_field("llama.attention.layer_norm_rms_epsilon", math.nan),
                 "'llama.attention.layer_norm_rms_epsilon' is nan, expected a positive float"),
     "eos-past-vocab": (_set_field("tokenizer.ggml.eos_token_id", 100_000),
-                       "no tokenizer can be built from its metadata"),
+                       "eos_token_id 100000 is past the vocabulary's 271 tokens"),
 }
 
 

@@ -29,7 +29,8 @@ from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor, load_
 
 from conveyor.model.config import ModelConfig
 from conveyor.model.gguf_config import gguf_config
-from conveyor.model.gguf_file import gguf_tensors, load_gguf_tokenizer, read_gguf
+from conveyor.model.gguf_file import gguf_tensors, read_gguf
+from conveyor.model.gguf_tokenizer import load_gguf_tokenizer
 from conveyor.model.loader import LoadedModel, check_weights, load_model
 
 # --- the default GGUF -------------------------------------------------------------------------

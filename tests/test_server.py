@@ -12,7 +12,7 @@ import pytest
 from server_process import running_server
 
 from conveyor.kernels import isa
-from conveyor.model.gguf_file import load_gguf_tokenizer
+from conveyor.model.gguf_tokenizer import load_gguf_tokenizer
 from conveyor.model.loader import default_model_path
 
 PROMPT = "The three most useful things to know about continuous batching are"

@@ -29,7 +29,7 @@ from test_server import (  # noqa: F401
 from conveyor import LLM, SamplingParams
 from conveyor.kernels.blocks import QuantizedWeight
 from conveyor.model.config import ModelConfig
-from conveyor.model.gguf_file import load_gguf_tokenizer
+from conveyor.model.gguf_tokenizer import load_gguf_tokenizer
 from conveyor.process import free_port
 from conveyor.worker.sharding import _slice_blocks, kv_heads_per_rank, plan_shards
 

@@ -16,7 +16,7 @@ import torch
 import transformers
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
-from conveyor.model.gguf_file import load_gguf_tokenizer
+from conveyor.model.gguf_tokenizer import load_gguf_tokenizer
 from conveyor.model.loader import default_model_path
 
 # Sizes small enough to build in well under a second; vocab matches SmolLM2 so its tokenizer fits.
@@ -45,6 +45,7 @@ _ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
                "final_logit_softcapping": 10.0, "sliding_window": 4096},
     "gemma3": {"head_dim": 16, "query_pre_attn_scalar": 24, "sliding_window": 4096,
                "layer_types": ["sliding_attention", "full_attention"]},
+    "smollm3": {"num_hidden_layers": 4},  # (every fourth layer without rope)
 }
 _CONFIG_CLASSES = {
     "llama": transformers.LlamaConfig,
@@ -54,6 +55,7 @@ _CONFIG_CLASSES = {
     "phi3": transformers.Phi3Config,
     "gemma2": transformers.Gemma2Config,
     "gemma3": transformers.Gemma3TextConfig,
+    "smollm3": transformers.SmolLM3Config,
 }
 
 LLAMA3_ROPE_SCALING = {

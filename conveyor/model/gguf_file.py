@@ -1,26 +1,22 @@
 """Reading llama.cpp GGUF files: weights (matrices as the file stores them, views of its memory
-map), eos ids and a cached tokenizer; the config is ``gguf_config``'s."""
+map); the config is ``gguf_config``'s, the tokenizer and stop ids ``gguf_tokenizer``'s."""
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import math
 import os
 import re
-import shutil
-import tempfile
 from collections.abc import Iterable
 from functools import partial
 
 import gguf
 import numpy as np
 import torch
-import transformers
 
 from conveyor.kernels.blocks import BLOCK_TYPES, QuantizedWeight
 from conveyor.model.config import ModelConfig
-from conveyor.model.gguf_config import BLOCK_RE, ROPE_FACTORS, metadata_number
+from conveyor.model.gguf_config import BLOCK_RE, ROPE_FACTORS
 from conveyor.model.gguf_reader import GGUFFile
 
 logger = logging.getLogger("conveyor")
@@ -58,9 +54,8 @@ _READABLE_TYPES = frozenset({gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizatio
                              *gguf.quants._type_traits})
 
 # Text that exercises merges, spaces, digits, unicode and special tokens.
-_TOKENIZER_PROBE = "Hello world!  12345 naïve 🤗\n\n<|im_start|>user\tdef f(x): return x**2<|im_end|>"
 
-def _one_line(e: BaseException) -> str:
+def one_line(e: BaseException) -> str:
     """An exception as one short line (the CLI prints errors as one line)."""
     return " ".join(str(e).split())[:300] or type(e).__name__
 
@@ -71,7 +66,7 @@ def read_gguf(path: str) -> GGUFFile:
     try:
         return GGUFFile(path)
     except ValueError as e:
-        raise ValueError(f"{path}: not a valid GGUF file: {_one_line(e)}") from e
+        raise ValueError(f"{path}: not a valid GGUF file: {one_line(e)}") from e
 
 
 def check_gguf_tensors(reader: GGUFFile, config: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -226,65 +221,3 @@ def _rename(gguf_name: str, arch: str) -> str | tuple[str, ...] | None:
     if m.group(2) not in _BLOCK_NAMES:
         return None
     return f"layers.{m.group(1)}.{_BLOCK_NAMES[m.group(2)]}.{m.group(3)}"
-
-
-def gguf_eos_token_ids(reader: GGUFFile) -> list[int]:
-    """eos plus end-of-turn ids: llama.cpp stops on both (e.g. llama3's <|eot_id|>)."""
-    ids = (metadata_number(reader, f"tokenizer.ggml.{k}_token_id", None, zero=True)
-           for k in ("eos", "eot", "eom"))
-    return [i for i in ids if i is not None]
-
-
-def load_gguf_tokenizer(path: str) -> transformers.PreTrainedTokenizerBase:
-    """transformers' GGUF vocab conversion takes seconds, so keep its result on disk keyed by file identity."""
-    path = os.path.abspath(path)
-    st = os.stat(path)
-    key = hashlib.sha256(
-        f"{path}\0{st.st_size}\0{st.st_mtime_ns}\0{transformers.__version__}".encode()
-    ).hexdigest()[:32]
-    root = os.path.join(
-        os.environ.get("CONVEYOR_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "conveyor"),
-        "tokenizers",
-    )
-    cached = os.path.join(root, key)
-    if os.path.isdir(cached):
-        return transformers.AutoTokenizer.from_pretrained(cached, local_files_only=True)
-    try:
-        tokenizer = transformers.AutoTokenizer.from_pretrained(
-            os.path.dirname(path), gguf_file=os.path.basename(path), local_files_only=True
-        )
-    except Exception as e:  # noqa: BLE001
-        # The conversion raises whatever corrupted metadata leads it to: an IndexError for an
-        # eos id past the vocabulary, a KeyError, a tokenizers error for a merge of no tokens...
-        raise ValueError(f"{path}: no tokenizer can be built from its metadata: "
-                         f"{_one_line(e)}") from e
-    _store(tokenizer, root, cached)
-    return tokenizer
-
-
-def _store(tokenizer: transformers.PreTrainedTokenizerBase, root: str, cached: str) -> None:
-    """Save into a temp dir and rename it into place, so readers never see half a cache.
-
-    Only a round trip that behaves identically is kept; a cache that cannot be written, or a
-    tokenizer that cannot encode the probe text, is skipped.
-    """
-    try:
-        os.makedirs(root, exist_ok=True)
-        tmp = tempfile.mkdtemp(prefix=".tmp-", dir=root)
-    except OSError:
-        return
-    try:
-        tokenizer.save_pretrained(tmp)
-        reloaded = transformers.AutoTokenizer.from_pretrained(tmp, local_files_only=True)
-        same = (
-            reloaded(_TOKENIZER_PROBE).input_ids == tokenizer(_TOKENIZER_PROBE).input_ids
-            and reloaded.chat_template == tokenizer.chat_template
-            and reloaded.eos_token_id == tokenizer.eos_token_id
-            and reloaded.bos_token_id == tokenizer.bos_token_id
-        )
-        if same:
-            os.rename(tmp, cached)  # fails if another process got there first: keep theirs
-    except Exception:  # noqa: BLE001  (an OSError, or a vocabulary that cannot spell the probe)
-        pass
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)

