@@ -7,7 +7,9 @@ from typing import Any
 
 # phi3: the Llama network with q/k/v and gate/up stored fused (Phi-3, Phi-3.5, Phi-4-mini);
 # gemma2, gemma3 (text; transformers' model_type gemma3_text): conveyor.model.gemma
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3")
+# smollm3: the Llama network without rope in every fourth layer (``no_rope_layers``)
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3",
+                           "smollm3")
 GEMMA = ("gemma2", "gemma3")
 _MODEL_TYPES = {"gemma3_text": "gemma3"}  # transformers' model_type, where it differs
 
@@ -47,7 +49,8 @@ _READ_KEYS = frozenset({
     "attention_bias", "torch_dtype", "dtype", "sliding_window", "use_sliding_window",
     "max_window_layers", "layer_types", "original_max_position_embeddings", "hidden_act",
     "hidden_activation", "query_pre_attn_scalar", "attn_logit_softcapping",
-    "final_logit_softcapping", "rope_local_base_freq", "partial_rotary_factor"})
+    "final_logit_softcapping", "rope_local_base_freq", "partial_rotary_factor",
+    "no_rope_layers", "no_rope_layer_interval"})
 
 # Fields each supported rope scaling type needs, spelled as in Hugging Face configs.
 _ROPE_SCALING_FIELDS = {
@@ -75,7 +78,10 @@ class ModelConfig:
     head_dim: int
     rms_norm_eps: float
     rope_theta: float
-    rope_scaling: dict[str, Any] | None  # None, or {"rope_type": "llama3" | "linear" | "yarn", ...}
+    # None, or {"rope_type": "llama3" | "linear" | "yarn" | "longrope" | "freq_factors", ...}
+    # (freq_factors: each rotated pair's divisor of its frequency, as a GGUF's rope_freqs holds
+    # llama3's)
+    rope_scaling: dict[str, Any] | None
     max_position_embeddings: int
     tie_word_embeddings: bool
     attention_bias: bool  # q/k/v projections have a bias (qwen2)
@@ -96,6 +102,7 @@ class ModelConfig:
     # embeddings: how the model pools a prompt's last hidden states (a POOLING_TYPES one:
     # a sentence-transformers folder's, a GGUF's pooling_type), None where it does not say
     pooling_type: str | None = None
+    no_rope_layers: tuple[int, ...] = ()  # the layers whose q and k rope leaves as they are
 
     @property
     def rotary(self) -> int:
@@ -116,8 +123,12 @@ class ModelConfig:
         return [self.intermediate_size] * 2
 
     def rope_index(self, layer: int) -> int:
-        """Which rope table the layer reads: 0 the model's, 1 the sliding layers' own."""
-        return int(self.local_rope_theta is not None and self.window(layer) is not None)
+        """Which rope table the layer reads (``rope.model_rope_tables``): 0 the model's, then
+        the sliding layers' own where they have one, then none where a layer has no rope."""
+        local = self.local_rope_theta is not None
+        if layer in self.no_rope_layers:
+            return 1 + local
+        return int(local and self.window(layer) is not None)
 
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any]) -> ModelConfig:
@@ -168,6 +179,7 @@ class ModelConfig:
             attn_softcap=_cap(cfg, "attn_logit_softcapping", arch),
             final_softcap=_cap(cfg, "final_logit_softcapping", arch),
             local_rope_theta=local_theta,
+            no_rope_layers=_no_rope_layers(cfg, arch),
         )
 
 
@@ -184,6 +196,23 @@ def _refuse_unread(cfg: dict[str, Any], arch: str) -> None:
                              f"(only {' or '.join(map(repr, _NEUTRAL[key]))})")
         raise ValueError(f"config.json key {key!r} (= {value!r:.80}) is not implemented for "
                          f"{arch}: it may change the network's output")
+
+
+def _no_rope_layers(cfg: dict[str, Any], arch: str) -> tuple[int, ...]:
+    """SmolLM3's layers without rope: ``no_rope_layers`` holds a 0 for each (1: rope), else
+    every ``no_rope_layer_interval``-th layer, as transformers reads them."""
+    flags = cfg.get("no_rope_layers")
+    if flags is None and cfg.get("no_rope_layer_interval") is None:
+        return ()
+    if arch != "smollm3":
+        raise ValueError(f"config.json no_rope_layers is not implemented for {arch}")
+    n = cfg["num_hidden_layers"]
+    if flags is None:
+        interval = cfg["no_rope_layer_interval"]
+        flags = [int((i + 1) % interval != 0) for i in range(n)]
+    if len(flags) != n or set(flags) - {0, 1}:
+        raise ValueError(f"config.json no_rope_layers must be {n} 0s and 1s, got {flags!r:.80}")
+    return tuple(i for i, rope in enumerate(flags) if not rope)
 
 
 def _activation(cfg: dict[str, Any], arch: str) -> str:

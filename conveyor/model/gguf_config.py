@@ -16,7 +16,9 @@ from conveyor.model.gguf_reader import GGUFFile
 
 _Q = gguf.GGMLQuantizationType
 
-SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3")
+SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "smollm3")
+# llama.cpp's SmolLM3: no rope in every fourth layer (a constant there, not metadata)
+_NO_ROPE_EVERY = {"smollm3": 4}
 
 BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _REQUIRED = object()
@@ -62,14 +64,7 @@ def gguf_config(reader: GGUFFile) -> ModelConfig:
     What llama.cpp fixes per architecture rather than storing (Gemma's window pattern, local
     rope base and scores' scale) is fixed here the same way."""
     arch = gguf_architecture(reader)
-    scaling = metadata_field(reader, f"{arch}.rope.scaling.type", None)
-    rope_scaling = None
-    if scaling == "linear":
-        rope_scaling = {"rope_type": "linear",
-                        "factor": metadata_number(reader, f"{arch}.rope.scaling.factor",
-                                                  kind=float)}
-    elif scaling not in (None, "none"):
-        raise ValueError(f"rope scaling {scaling!r} is not supported for GGUF files")
+    rope_scaling = _rope_scaling(reader, arch)
     tensors = {t.name: t for t in reader.tensors}
     hidden = metadata_number(reader, f"{arch}.embedding_length")
     num_heads = metadata_number(reader, f"{arch}.attention.head_count")
@@ -90,6 +85,13 @@ def gguf_config(reader: GGUFFile) -> ModelConfig:
         rotary = metadata_number(reader, f"{arch}.rope.dimension_count", head_dim)
         if "rope_factors_long.weight" in tensors:
             rope_scaling = _longrope(reader, arch, tensors, rotary)
+    if ROPE_FREQS in tensors:  # llama3's scaling, as the converter writes it
+        if rope_scaling is not None:
+            raise ValueError(f"GGUF file has {ROPE_FREQS} and rope scaling "
+                             f"{rope_scaling['rope_type']!r}: the two together are not "
+                             f"implemented")
+        rope_scaling = {"rope_type": "freq_factors",
+                        "factors": _f32_vector(reader, tensors[ROPE_FREQS], rotary // 2)}
     vocab = metadata_number(reader, f"{arch}.vocab_size", None)
     if vocab is None:  # llama.cpp's converter often leaves it out: the embedding's rows
         embd = tensors.get("token_embd.weight")
@@ -120,10 +122,14 @@ def gguf_config(reader: GGUFFile) -> ModelConfig:
         attention_scale=(hidden / num_heads if big else head_dim) ** -0.5 if gemma else None,
         attn_softcap=metadata_number(reader, f"{arch}.attn_logit_softcapping", None, kind=float),
         final_softcap=metadata_number(reader, f"{arch}.final_logit_softcapping", None, kind=float),
-        local_rope_theta=10000.0 if arch == "gemma3" else None,
+        # (the sliding layers' base: older converters leave it to llama.cpp's 10000)
+        local_rope_theta=(metadata_number(reader, f"{arch}.rope.freq_base_swa", 10000.0,
+                                          kind=float) if arch == "gemma3" else None),
         output_bias="blk.0.attn_output.bias" in tensors,
         rotary_dim=None if rotary == head_dim else rotary,
         pooling_type=_gguf_pooling(reader, arch),
+        no_rope_layers=tuple(i for i in range(num_layers)
+                             if arch in _NO_ROPE_EVERY and (i + 1) % _NO_ROPE_EVERY[arch] == 0),
     )
     if not gemma and (config.attn_softcap or config.final_softcap):
         raise ValueError(f"GGUF soft-capping is not implemented for {arch}")
@@ -135,6 +141,37 @@ def gguf_config(reader: GGUFFile) -> ModelConfig:
 # LongRoPE's factors, which llama.cpp's converter stores as tensors (F32, one per rotated pair)
 ROPE_FACTORS = {"rope_factors_short.weight": "short_factor",
                  "rope_factors_long.weight": "long_factor"}
+# llama3's scaling as the converter stores it: each rotated pair's divisor of its frequency
+ROPE_FREQS = "rope_freqs.weight"
+# The YaRN keys the converter writes and what transformers calls them
+_YARN = {"yarn_beta_fast": "beta_fast", "yarn_beta_slow": "beta_slow",
+         "yarn_attn_factor": "attention_factor"}
+
+
+def _rope_scaling(reader: GGUFFile, arch: str) -> dict[str, Any] | None:
+    """``{arch}.rope.scaling.*``: linear, or YaRN (its factor, pretrained length, betas and
+    attention factor, as transformers reads them from the checkpoint the file came from)."""
+    scaling = metadata_field(reader, f"{arch}.rope.scaling.type", None)
+    if scaling in (None, "none"):
+        return None
+    if scaling not in ("linear", "yarn"):
+        raise ValueError(f"rope scaling {scaling!r} is not supported for GGUF files")
+    out = {"rope_type": scaling,
+           "factor": metadata_number(reader, f"{arch}.rope.scaling.factor", kind=float)}
+    if scaling == "yarn":
+        out["original_max_position_embeddings"] = metadata_number(
+            reader, f"{arch}.rope.scaling.original_context_length")
+        for key, name in _YARN.items():
+            value = metadata_number(reader, f"{arch}.rope.scaling.{key}", None, kind=float)
+            if value is not None:
+                out[name] = value
+    return out
+
+
+def _f32_vector(reader: GGUFFile, t: Any, n: int) -> list[float]:
+    if t.ggml_type != _Q.F32 or tuple(t.shape) != (n,):
+        raise ValueError(f"{t.name}: rope needs {n} F32 factors, one per rotated pair")
+    return reader.tensor_bytes(t).view(np.float32).tolist()
 
 
 def _longrope(reader: GGUFFile, arch: str, tensors: dict, rotary: int) -> dict[str, Any]:
@@ -142,10 +179,9 @@ def _longrope(reader: GGUFFile, arch: str, tensors: dict, rotary: int) -> dict[s
     attention factor (which llama.cpp's converter computes and stores)."""
     scaling: dict[str, Any] = {"rope_type": "longrope"}
     for name, key in ROPE_FACTORS.items():
-        t = tensors.get(name)
-        if t is None or t.ggml_type != _Q.F32 or tuple(t.shape) != (rotary // 2,):
+        if name not in tensors:
             raise ValueError(f"{name}: LongRoPE needs {rotary // 2} F32 factors")
-        scaling[key] = reader.tensor_bytes(t).view(np.float32).tolist()
+        scaling[key] = _f32_vector(reader, tensors[name], rotary // 2)
     scaling["original_max_position_embeddings"] = metadata_number(
         reader, f"{arch}.rope.scaling.original_context_length")
     scaling["attention_factor"] = metadata_number(
@@ -161,6 +197,7 @@ _READ = frozenset({"context_length", "embedding_length", "block_count", "feed_fo
                    "attention.layer_norm_rms_epsilon", "rope.freq_base", "rope.scaling.type",
                    "vocab_size", "attn_logit_softcapping", "final_logit_softcapping",
                    "pooling_type"})
+_READ_BY_ARCH = {"gemma3": {"rope.freq_base_swa"}}
 # llama.cpp's enum llama_pooling_type (0: none, a vector per token, is no pooling to follow)
 _GGUF_POOLING = {0: None, 1: "mean", 2: "cls", 3: "last"}
 
@@ -184,14 +221,16 @@ def _refuse_unread(reader: GGUFFile, config: ModelConfig) -> None:
         if not key.startswith(arch + "."):
             continue
         name = key[len(arch) + 1:]
-        longrope = (config.rope_scaling is not None
-                    and config.rope_scaling["rope_type"] == "longrope")
-        if (name in _READ or name.startswith(_UNUSED_WITHOUT_SCALING) and
+        rope_type = (config.rope_scaling or {}).get("rope_type")
+        if (name in _READ or name in _READ_BY_ARCH.get(arch, ()) or name.startswith(_UNUSED_WITHOUT_SCALING) and
                 config.rope_scaling is None or name == "rope.scaling.factor"
                 or name == "attention.sliding_window" and arch in _WINDOWED
                 or name == "rope.dimension_count" and arch == "phi3"
-                or longrope and name in ("rope.scaling.original_context_length",
-                                         "rope.scaling.attn_factor")):
+                or rope_type == "longrope" and name in ("rope.scaling.original_context_length",
+                                                        "rope.scaling.attn_factor")
+                or rope_type == "yarn" and name in (
+                    "rope.scaling.original_context_length",
+                    *(f"rope.scaling.{key}" for key in _YARN))):
             continue
         value = reader.value(key)
         if name in _AT and value == _AT[name](config):

@@ -16,7 +16,7 @@ import torch
 
 from conveyor.kernels.blocks import BLOCK_TYPES, QuantizedWeight
 from conveyor.model.config import ModelConfig
-from conveyor.model.gguf_config import BLOCK_RE, ROPE_FACTORS
+from conveyor.model.gguf_config import BLOCK_RE, ROPE_FACTORS, ROPE_FREQS
 from conveyor.model.gguf_reader import GGUFFile
 
 logger = logging.getLogger("conveyor")
@@ -78,12 +78,9 @@ def check_gguf_tensors(reader: GGUFFile, config: ModelConfig) -> dict[str, tuple
     table order, each padded to the alignment: a tensor that starts anywhere else means the
     one before it is not the size its shape and type say (a wrong type or block count)."""
     arch = config.architecture
-    settings = set(ROPE_FACTORS) if arch == "phi3" else set()  # (read by gguf_config)
+    settings = _settings(arch)
     names = {t.name: _rename(t.name, arch) for t in reader.tensors if t.name not in settings}
     unknown = [gguf_name for gguf_name, name in names.items() if name is None]
-    if "rope_freqs.weight" in unknown:
-        raise ValueError("GGUF file has rope_freqs.weight: llama3 rope scaling is not "
-                         "supported for GGUF")
     if unknown:
         raise ValueError(f"unsupported GGUF tensors: {', '.join(unknown[:5])}")
     shapes: dict[str, tuple[int, ...]] = {}
@@ -119,6 +116,15 @@ def check_gguf_tensors(reader: GGUFFile, config: ModelConfig) -> dict[str, tuple
     return shapes
 
 
+def _settings(arch: str) -> set[str]:
+    """The tensors that hold settings, which ``gguf_config`` reads: rope's factors."""
+    return {ROPE_FREQS, *ROPE_FACTORS} if arch == "phi3" else {ROPE_FREQS}
+
+
+# The architectures whose q/k rows llama.cpp's converter interleaves (its LlamaModel's)
+_PERMUTED = ("llama", "smollm3")
+
+
 def reverse_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     """Undo the row interleave llama.cpp's converter applies to llama q/k (same as transformers' GGUF loader)."""
     dim = w.shape[0] // n_head // 2
@@ -127,9 +133,9 @@ def reverse_permute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 def _unpermute_rows(rows: np.ndarray, name: str, config: ModelConfig) -> np.ndarray:
     """A tensor's rows (weights or their quantized blocks) in HF order: llama q/k un-interleaved."""
-    if config.architecture == "llama" and ".attention.wq." in name:
+    if config.architecture in _PERMUTED and ".attention.wq." in name:
         return reverse_permute(rows, config.num_heads)
-    if config.architecture == "llama" and ".attention.wk." in name:
+    if config.architecture in _PERMUTED and ".attention.wk." in name:
         return reverse_permute(rows, config.num_kv_heads)
     return rows
 
@@ -145,7 +151,7 @@ def gguf_tensors(reader: GGUFFile, config: ModelConfig
     quantized: dict[str, QuantizedWeight] = {}
     dense: list[tuple[str, int]] = []
     for t in reader.tensors:
-        if t.name in ROPE_FACTORS and config.architecture == "phi3":
+        if t.name in _settings(config.architecture):
             continue  # (the config's)
         name, kind = _rename(t.name, config.architecture), int(t.ggml_type)
         if isinstance(name, tuple):  # fused: its parts as runs of its rows (no release: the

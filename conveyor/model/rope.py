@@ -1,9 +1,11 @@
 """Rotary position embeddings: each position's cos and sin tables, with the rope scalings
-Hugging Face configs name (linear, llama3, YaRN, LongRoPE), and their application to q and k
-(all of each head, or its first dimensions: partial rotary)."""
+Hugging Face configs name (linear, llama3, YaRN, LongRoPE) and GGUF files store (llama3's as
+per-pair frequency factors), and their application to q and k (all of each head, or its first
+dimensions: partial rotary)."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -25,6 +27,8 @@ def rope_inv_freq(config: ModelConfig, max_len: int) -> torch.Tensor:
         return _yarn_inv_freq(config)
     if scaling["rope_type"] == "longrope":
         return inv_freq / torch.tensor(longrope_factors(config, max_len), dtype=torch.float32)
+    if scaling["rope_type"] == "freq_factors":
+        return inv_freq / torch.tensor(scaling["factors"], dtype=torch.float32)
     # llama3: long wavelengths slowed by `factor`, short ones kept, a smooth blend in between.
     factor = scaling["factor"]
     low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
@@ -106,6 +110,21 @@ def rope_tables(config: ModelConfig, max_len: int, dtype: torch.dtype,
         cos, sin = cos * factor, sin * factor
     sin[:, :freqs.shape[1]].neg_()
     return cos.to(dtype=dtype, device=device), sin.to(dtype=dtype, device=device)
+
+
+def model_rope_tables(config: ModelConfig, max_len: int, dtype: torch.dtype,
+                      device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each rope a layer may read (``ModelConfig.rope_index``): the model's; the sliding layers'
+    own base where they have one (Gemma 3's, unscaled); and where some layer has no rope
+    (SmolLM3's), cos 1 and sin 0, which leave q and k as they are."""
+    tables = [rope_tables(config, max_len, dtype, device)]
+    if config.local_rope_theta is not None:
+        local = dataclasses.replace(config, rope_theta=config.local_rope_theta, rope_scaling=None)
+        tables.append(rope_tables(local, max_len, dtype, device))
+    if config.no_rope_layers:
+        cos = tables[0][0]
+        tables.append((torch.ones_like(cos), torch.zeros_like(cos)))
+    return tables
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -3,7 +3,6 @@ the sampling inputs, then returns each finishing request's next token."""
 
 from __future__ import annotations
 
-import dataclasses
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -19,7 +18,7 @@ from conveyor.model.attention import AttentionMetadata, DecodeGroup, PrefillChun
 from conveyor.model.backend import apply_backend
 from conveyor.model.config import ModelConfig
 from conveyor.model.families import network
-from conveyor.model.rope import rope_tables
+from conveyor.model.rope import model_rope_tables
 from conveyor.worker.sampler import GrammarMask, Sampler, SampleResult, ranked_logprobs
 from conveyor.worker.sharding import ffn_granule, kv_heads_per_rank, plan_shards, shard_model
 from conveyor.worker.tensor_parallel import TensorParallel
@@ -129,12 +128,7 @@ class ModelRunner:
         apply_backend(self.model, weights, quantized or {}, dtype=dtype, device=device,
                       kernels=kernels, kv_caches=self.kv_caches,
                       all_reduce=None if tensor_parallel is None else tensor_parallel.all_reduce)
-        # the model's rope tables, and the sliding layers' own where they have one
-        self.ropes = [rope_tables(config, max_model_len, dtype, device)]
-        if config.local_rope_theta is not None:
-            local = dataclasses.replace(config, rope_theta=config.local_rope_theta,
-                                        rope_scaling=None)
-            self.ropes.append(rope_tables(local, max_model_len, dtype, device))
+        self.ropes = model_rope_tables(config, max_model_len, dtype, device)
         self.kernel_path = describe(device, dtype, config.head_dim, kernels)
         self.sampler = (Sampler(config.vocab_size, device, seed) if kernels is None else
                         Sampler(config.vocab_size, device, seed, kernels.argmax_rows,

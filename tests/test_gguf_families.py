@@ -1,0 +1,101 @@
+"""The GGUF files users download, family by family: a tiny random model with the family's real
+tokenizer and chat template, converted by llama.cpp's own converter (``converted_ggufs``). Each
+loads; its tokens, rendered chats and greedy output equal transformers' on the folder it was
+converted from; a chat ends where the family ends a turn."""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from converted_ggufs import FAMILIES, convert, hf_tokenizer, write_hf_folder
+from engine_checks import assert_no_leak
+
+from conveyor import LLM, SamplingParams
+
+# Leading spaces, runs of spaces and newlines, digits, emoji (joined too), CJK, a decomposed
+# accent (Qwen's NFC), contractions, code, and special tokens' text inline.
+TEXTS = [
+    "Hello world!", "  two leading spaces", "   three", "trailing  ", "a  b   c    d",
+    "digits 1234567 3.14159", "emoji 🤗🦙 and 😶\u200d🌫️", "日本語のテキスト、中文文本", "naïve café",
+    "cafe\u0301 decomposed e\u0301", "tabs\tand\nnewlines\n\n\n", "x\n\n  y\t\tz",
+    "I've been 'told he's there, 'RE you sure?", "def f(x):\n    return x ** 2  # comment",
+    "▁literal ▁▁ marks", "<s> and </s> and <unk>", "<|im_start|>user\nhi<|im_end|>\n",
+    "<start_of_turn>user\nhi<end_of_turn>\n", "<|user|>\nHi<|end|>\n<|assistant|>\n",
+    "[INST] Hi [/INST]", "<|start_header_id|>user<|end_header_id|>\n\nhi<|eot_id|>",
+    "<think>\nok\n</think>",
+]
+CHAT = [{"role": "user", "content": "Hello, how are you?"},
+        {"role": "assistant", "content": "  Fine, thanks.\n"},
+        {"role": "user", "content": "Tell me 1234 jokes 🤗"}]
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a land",
+           "1, 2, 3, 4,"]
+
+
+@pytest.fixture(scope="module")
+def family(tmp_path_factory):
+    """family(name) -> (its HF folder, its GGUF, an LLM serving the GGUF): built once each."""
+    cache = tmp_path_factory.mktemp("tokenizer-cache")
+
+    @functools.cache
+    def build(name: str) -> tuple[Path, str, LLM]:
+        root = tmp_path_factory.mktemp(name)
+        folder = write_hf_folder(name, root)
+        gguf = str(convert(folder, root / f"{name}.gguf"))
+        with pytest.MonkeyPatch.context() as mp:  # (its tokenizer's cache in the temp dir)
+            mp.setenv("CONVEYOR_CACHE_DIR", str(cache))
+            llm = LLM(model=gguf, dtype="float32", num_kv_blocks=64, max_model_len=256)
+        return folder, gguf, llm
+    return build
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_tokens_and_chats_equal_the_hf_tokenizers(family, name):
+    folder, _, llm = family(name)
+    ours, hf = llm.engine.tokenizer, hf_tokenizer(folder)
+    for text in TEXTS:
+        assert ours(text).input_ids == hf(text).input_ids, text
+        assert ours.decode(hf(text).input_ids) == hf.decode(hf(text).input_ids), text
+    for generation_prompt in (True, False):
+        rendered = hf.apply_chat_template(CHAT, tokenize=False,
+                                          add_generation_prompt=generation_prompt)
+        assert ours.apply_chat_template(CHAT, tokenize=False,
+                                        add_generation_prompt=generation_prompt) == rendered
+        assert llm.engine.inputs.apply_chat_template(CHAT, generation_prompt) == hf.encode(
+            rendered, add_special_tokens=False)
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_greedy_tokens_equal_transformers(family, name):
+    """Llama 3.2's rope from rope_freqs, Qwen2.5's YaRN, Phi-3.5's LongRoPE, SmolLM3's layers
+    without rope, each as the converter wrote them."""
+    folder, _, llm = family(name)
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    ids = [llm.engine.tokenizer.encode(p) for p in PROMPTS]
+    outputs = llm.generate([{"prompt_token_ids": i} for i in ids],
+                           SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
+                           use_tqdm=False)
+    for prompt, output in zip(ids, outputs):
+        with torch.no_grad():
+            expected = model.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False,
+                                      eos_token_id=None, pad_token_id=0)[0, len(prompt):]
+        assert list(output.outputs[0].token_ids) == expected.tolist()
+    assert_no_leak(llm)
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_a_chat_stops_at_the_end_of_its_turn(family, name):
+    """Each end-of-turn token, forced by a logit bias, ends the reply (finish_reason "stop")
+    with nothing of it in the text."""
+    _, _, llm = family(name)
+    f, tokenizer = FAMILIES[name], llm.engine.tokenizer
+    for text in (f.end_of_turn, *f.stops):
+        (token,) = tokenizer.convert_tokens_to_ids([text])
+        (output,) = llm.chat([[{"role": "user", "content": "Hi"}]],
+                             SamplingParams(max_tokens=8, logit_bias={token: 100.0}),
+                             use_tqdm=False)
+        sample = output.outputs[0]
+        assert (sample.finish_reason, list(sample.token_ids), sample.text) == ("stop", [token], "")
