@@ -65,6 +65,9 @@ def test_one_model_and_the_tokenizer_routes(server, client, model, tokenizer):
     """The client's models.retrieve, and vLLM's /tokenize and /detokenize shapes."""
     card = client.models.retrieve(model)
     assert card.id == model and card.object == "model"
+    # SmolLM2's eos <|im_end|>, and what llama.cpp also ends on: <|endoftext|>, <reponame>
+    assert (card.stop_token_ids, card.stop_tokens) == (
+        [0, 2, 4], ["<|endoftext|>", "<|im_end|>", "<reponame>"])
     with pytest.raises(openai.NotFoundError):
         client.models.retrieve("no-such-model")
     url = server.base_url

@@ -102,8 +102,11 @@ def build_app(state: ServerState, ready_message: str = "", api_key: str | None =
                            tensor_parallel_size=engine.config.tensor_parallel_size)
 
     def card(name: str) -> ModelCard:
-        return ModelCard(id=name, root=state.engine.model_path,
-                         max_model_len=state.engine.max_model_len)
+        engine = state.engine
+        stops = sorted(engine.eos_token_ids)
+        return ModelCard(id=name, root=engine.model_path, max_model_len=engine.max_model_len,
+                         stop_token_ids=stops,
+                         stop_tokens=engine.tokenizer.convert_ids_to_tokens(stops))
 
     @app.get("/v1/models")
     async def models() -> ModelList:

@@ -452,6 +452,9 @@ class ModelCard(BaseModel):
     owned_by: str = "conveyor"
     root: str | None = None
     max_model_len: int | None = None
+    # Conveyor's: the tokens that end a reply (eos, end of turn...), by id, and their texts
+    stop_token_ids: list[int] | None = None
+    stop_tokens: list[str] | None = None
 
 
 class ModelList(BaseModel):
