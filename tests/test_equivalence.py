@@ -203,6 +203,7 @@ TINY = {
     "gemma2": ("gemma2", {"sliding_window": 24}),
     "gemma3": ("gemma3", {"sliding_window": 24}),
     "gemma3-bf16": ("gemma3", {"sliding_window": 24, "dtype": torch.bfloat16}),  # 1 + w of it
+    "smollm3": ("smollm3", {}),  # its fourth layer without rope
 }
 
 
@@ -225,7 +226,8 @@ def test_tiny_checkpoints_match_transformers(tiny_paths, on_path, name, path, po
     check_model("hf", tiny_paths[name], policy)
 
 
-@pytest.mark.parametrize("name", ["gemma2", "gemma3", "qwen3", "mistral-window", "qwen2-window"])
+@pytest.mark.parametrize("name", ["gemma2", "gemma3", "qwen3", "mistral-window", "qwen2-window",
+                                  "smollm3"])
 def test_these_families_decode_in_one_call(tiny_paths, name):
     """The decode stack takes their q/k norms, windows, Gemma's after-norms, GeGLU and soft
     cap, so the equivalence above covers it at every kernel tier."""

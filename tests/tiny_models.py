@@ -45,7 +45,7 @@ _ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
                "final_logit_softcapping": 10.0, "sliding_window": 4096},
     "gemma3": {"head_dim": 16, "query_pre_attn_scalar": 24, "sliding_window": 4096,
                "layer_types": ["sliding_attention", "full_attention"]},
-    "smollm3": {"num_hidden_layers": 4},  # (every fourth layer without rope)
+    "smollm3": {"num_hidden_layers": 4, "pad_token_id": None},  # (its fourth without rope)
 }
 _CONFIG_CLASSES = {
     "llama": transformers.LlamaConfig,

@@ -151,7 +151,8 @@ def _use_decode_stack(model: Transformer, kernels: CPUKernels,
     bias (q/k norms, windows, Gemma's after-norms, GeGLU and soft cap it takes)."""
     linears = [m for layer in model.layers for m in layer.modules() if isinstance(m, Linear)]
     if (model.config.rotary_dim is not None or any(m.quantized is None for m in linears)
-            or any(layer.attention.wo.bias is not None for layer in model.layers)):
+            or any(layer.attention.wo.bias is not None for layer in model.layers)
+            or any(layer.attention.rope > 1 for layer in model.layers)):  # (it takes two)
         return
     c = model.config
 
