@@ -64,7 +64,10 @@ def test_goodput_parsing_and_arrivals():
 
 
 # -- a fake OpenAI server with scripted timings ---------------------------------------------------
-SCRIPT = {"a": [0.30, 0.10, 0.10, 0.10], "b": [0.10, 0.20]}  # first gap = TTFT, then ITLs
+SCRIPT = {"a": [0.30, 0.10, 0.10, 0.10], "b": [0.10, 0.20], "c": [0.0, 0.0]}
+# (first gap = TTFT, then ITLs) each chunk's text; "c"'s left unescaped in the JSON, as
+# llama-server sends a token's U+2028 or U+0085
+TEXTS = {"c": ["a\u2028b", "\x85c\r"]}
 
 
 def fake_app() -> FastAPI:
@@ -76,9 +79,10 @@ def fake_app() -> FastAPI:
         gaps = SCRIPT[body["prompt"]]
 
         async def stream():
-            for gap in gaps:
+            for gap, text in zip(gaps, TEXTS.get(body["prompt"], ["x"] * len(gaps))):
                 await asyncio.sleep(gap)
-                yield f"data: {json.dumps({'choices': [{'index': 0, 'text': 'x'}]})}\n\n"
+                chunk = json.dumps({"choices": [{"index": 0, "text": text}]}, ensure_ascii=False)
+                yield f"data: {chunk}\n\n"
             usage = {"prompt_tokens": 1, "completion_tokens": len(gaps)}
             yield f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n"
             yield "data: [DONE]\n\n"
@@ -119,3 +123,12 @@ def test_measured_timings_follow_the_script(fake_server):
     m = compute_metrics(results, duration)
     assert m.summary["mean_tpot_ms"] == pytest.approx((100 + 200) / 2, abs=tol * 1000)
     assert duration == pytest.approx(0.6, abs=0.2)  # both at once: the longer one sets it
+
+
+def test_a_line_separator_inside_a_json_string_is_text(fake_server):
+    """SSE lines end at \\n or \\r only; U+2028 and U+0085 inside a chunk are its text."""
+    results, _ = asyncio.run(run_load(fake_server, "/v1/completions", "m",
+                                      [BenchRequest("c", 1, 2)], [0.0], None, {},
+                                      show_progress=False))
+    assert results[0].success, results[0].error
+    assert results[0].generated_text == "a\u2028b\x85c\r"

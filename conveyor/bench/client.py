@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import re
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import httpx
@@ -46,6 +48,19 @@ def _chunk_text(chunk: dict, chat: bool) -> str:
     return choices[0].get("text") or ""
 
 
+async def sse_lines(resp: httpx.Response) -> AsyncIterator[str]:
+    """The stream's lines, which end at a line feed, a carriage return or both (Server-Sent
+    Events' rule). httpx's ``aiter_lines`` also breaks at U+2028, U+0085 and the like, which a
+    server may leave unescaped inside a JSON string (llama-server does, for a token's text)."""
+    pending = b""
+    async for data in resp.aiter_bytes():
+        *lines, pending = re.split(rb"\r\n|\r|\n", pending + data)
+        for line in lines:
+            yield line.decode("utf-8", errors="replace")
+    if pending:
+        yield pending.decode("utf-8", errors="replace")
+
+
 async def send_request(client: httpx.AsyncClient, base_url: str, endpoint: str, model: str,
                        req: BenchRequest, fields: dict) -> RequestResult:
     """Stream one request; never raises (a failure is a result with ``success=False``)."""
@@ -61,7 +76,7 @@ async def send_request(client: httpx.AsyncClient, base_url: str, endpoint: str, 
                 body = (await resp.aread()).decode(errors="replace")
                 result.error = f"HTTP {resp.status_code}: {body[:200]}"
                 return result
-            async for line in resp.aiter_lines():
+            async for line in sse_lines(resp):
                 if not line.startswith("data:"):
                     continue
                 data = line[5:].strip()
