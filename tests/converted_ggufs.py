@@ -339,11 +339,13 @@ def write_hf_folder(family: str, parent: Path) -> Path:
     return folder
 
 
-def convert(folder: Path, out: Path) -> Path:
-    """folder converted by llama.cpp's converter (float32 tensors), as its users run it."""
+def convert(folder: Path, out: Path, vocab_only: bool = False) -> Path:
+    """folder converted by llama.cpp's converter (float32 tensors; or its tokenizer alone), as
+    its users run it."""
     converter = llama_cpp() / "convert_hf_to_gguf.py"
     run = subprocess.run([sys.executable, str(converter), str(folder), "--outtype", "f32",
-                          "--outfile", str(out)], capture_output=True, text=True)
+                          "--outfile", str(out), *["--vocab-only"] * vocab_only],
+                         capture_output=True, text=True)
     if run.returncode:
         raise RuntimeError(f"convert_hf_to_gguf.py failed on {folder}:\n{run.stderr[-3000:]}")
     return out

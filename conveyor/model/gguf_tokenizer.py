@@ -117,18 +117,19 @@ def gguf_tokenizer(reader: GGUFFile) -> transformers.PreTrainedTokenizerFast | N
                     "tokenizer", kind)
         return None
     tokenizer.add_tokens(_added_tokens(reader, kind, texts, types))
-    token = _special_tokens(reader, tokens)
+    ids = _special_ids(reader, len(texts))
     single, special = ["$A"], []
     for role, add in (("bos", add_bos), ("eos", reader.value("tokenizer.ggml.add_eos_token"))):
-        if add and role in token:
-            single = [token[role], *single] if role == "bos" else [*single, token[role]]
-            special.append((token[role], tokens.index(token[role])))
+        if add and role in ids:
+            text = texts[ids[role]]
+            single = [text, *single] if role == "bos" else [*single, text]
+            special.append((text, ids[role]))
     tokenizer.post_processor = processors.TemplateProcessing(
         single=single, pair=single + ["$B:1"], special_tokens=special)
     return transformers.PreTrainedTokenizerFast(
         tokenizer_object=tokenizer, clean_up_tokenization_spaces=False,
         chat_template=reader.value("tokenizer.chat_template"),
-        **{f"{role}_token": text for role, text in token.items()})
+        **{f"{role}_token": texts[i] for role, i in ids.items()})
 
 
 def _byte_level_bpe(reader: GGUFFile, tokens: list[str], how: _PreTokenizer) -> Tokenizer:
@@ -158,10 +159,11 @@ def _sentencepiece_bpe(reader: GGUFFile, tokens: list[str], types: list[int]
                          f"{len(tokens)} tokens")
     # The converter writes user-defined pieces with their ▁ as spaces, and scores them -1000;
     # their SentencePiece score, which ranks their merges first, is 0.
-    pieces = [t.replace(" ", "▁") if kind == USER_DEFINED else t for t, kind in zip(tokens, types)]
+    pieces = [text.replace(" ", "▁") if t == USER_DEFINED else text
+              for text, t in zip(tokens, types)]
     vocab = _vocab(pieces)
-    scored = {p: s if kind == NORMAL else 0.0 for p, s, kind in zip(pieces, scores, types)
-              if kind in (NORMAL, USER_DEFINED)}
+    scored = {p: s if t == NORMAL else 0.0 for p, s, t in zip(pieces, scores, types)
+              if t in (NORMAL, USER_DEFINED)}
     merges = generate_merges(vocab, scored)
     unk = reader.value("tokenizer.ggml.unknown_token_id")
     tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges, byte_fallback=True,
@@ -187,10 +189,10 @@ def _added_tokens(reader: GGUFFile, kind: str, texts: list[str], types: list[int
                   ) -> list[AddedToken]:
     """Control and user-defined tokens, matched whole in the text before it is normalized
     (Gemma's runs of ▁ then only where the text has ▁s: its spaces reach those pieces by
-    merges, as in Hugging Face's tokenizer). Phi-3's and
-    Phi-3.5's control tokens swallow the whitespace after them, as their Hugging Face
-    tokenizers have them: llama.cpp sets that by the model's name, here also by its
-    SentencePiece vocabulary in a phi3 file (names like "Phi 3.5 Mini" miss llama.cpp's)."""
+    merges, as in Hugging Face's tokenizer). Phi-3's and Phi-3.5's control tokens swallow the
+    whitespace after them, as their Hugging Face tokenizers have them: llama.cpp sets that by
+    the model's name, here also by its SentencePiece vocabulary in a phi3 file (names like
+    "Phi 3.5 Mini" miss llama.cpp's)."""
     name = (reader.value("general.name") or "").lower()
     phi3 = (any(n in name for n in ("phi-3", "phi3"))
             or kind == "llama" and reader.value("general.architecture") == "phi3")
@@ -200,15 +202,11 @@ def _added_tokens(reader: GGUFFile, kind: str, texts: list[str], types: list[int
             for text, t in zip(texts, types) if t in (CONTROL, USER_DEFINED, UNKNOWN)]
 
 
-def _special_tokens(reader: GGUFFile, tokens: list[str]) -> dict[str, str]:
-    """bos/eos/unk/pad by their ids in the metadata (those that are in the vocabulary)."""
-    ids = {"bos": "bos", "eos": "eos", "unk": "unknown", "pad": "padding"}
-    out = {}
-    for role, key in ids.items():
-        i = reader.value(f"tokenizer.ggml.{key}_token_id")
-        if isinstance(i, int) and 0 <= i < len(tokens):
-            out[role] = tokens[i]
-    return out
+def _special_ids(reader: GGUFFile, vocabulary: int) -> dict[str, int]:
+    """bos/eos/unk/pad ids from the metadata (those in the vocabulary)."""
+    keys = {"bos": "bos", "eos": "eos", "unk": "unknown", "pad": "padding"}
+    ids = {role: reader.value(f"tokenizer.ggml.{key}_token_id") for role, key in keys.items()}
+    return {role: i for role, i in ids.items() if isinstance(i, int) and 0 <= i < vocabulary}
 
 
 # Text that exercises merges, spaces, digits, unicode and special tokens.
