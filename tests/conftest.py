@@ -39,6 +39,16 @@ def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., s
     return build
 
 
+@pytest.fixture(scope="session")
+def default_server():
+    """One server on the default model with the default flags, for every test module whose
+    requests need nothing else (each takes it as its ``server``)."""
+    from server_process import running_server
+
+    with running_server() as proc:
+        yield proc
+
+
 # A module that defines a ``server`` fixture (a running ServerProcess) gets these two.
 @pytest.fixture(scope="module")
 def client(server) -> openai.OpenAI:

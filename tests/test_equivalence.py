@@ -219,8 +219,18 @@ def tiny_paths(tmp_path_factory):
     return paths
 
 
-@pytest.mark.parametrize("path,policy", PATHS)
-@pytest.mark.parametrize("name", list(TINY))
+# The tiers below this CPU's own (each kernel of which test_cpu_kernels checks against PyTorch)
+# run the checkpoints that reach every kind of kernel call: float32, bfloat16 and float16 rows,
+# q/k norms and a head_dim of its own, partial rotary, windows with a local rope, soft caps;
+# this CPU's tier, the PyTorch path and the static policy run them all.
+LOWER_TIERS_TINY = ("llama", "llama-bf16", "qwen2-fp16", "qwen3", "phi3-partial-longrope",
+                    "gemma2", "gemma3")
+TINY_RUNS = [pytest.param(name, *path.values, id=f"{name}-{path.id}") for name in TINY
+             for path in PATHS if path.values[0] in (NATIVE, "pytorch")
+             or name in LOWER_TIERS_TINY]
+
+
+@pytest.mark.parametrize("name,path,policy", TINY_RUNS)
 def test_tiny_checkpoints_match_transformers(tiny_paths, on_path, name, path, policy):
     on_path(path)
     check_model("hf", tiny_paths[name], policy)

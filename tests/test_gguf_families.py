@@ -6,6 +6,8 @@ converted from; a chat ends where the family ends a turn."""
 from __future__ import annotations
 
 import functools
+import os
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -37,24 +39,26 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, i
 
 @pytest.fixture(scope="module")
 def family(tmp_path_factory):
-    """family(name) -> (its HF folder, its GGUF, an LLM serving the GGUF): built once each."""
+    """family(name) -> (its HF folder, an LLM serving its GGUF), each loaded once; the files
+    are converted all at once, a converter process a core."""
     cache = tmp_path_factory.mktemp("tokenizer-cache")
+    folders = {name: write_hf_folder(name, tmp_path_factory.mktemp(name)) for name in FAMILIES}
+    with ThreadPoolExecutor(os.cpu_count()) as pool:
+        ggufs = dict(zip(folders, pool.map(lambda f: str(convert(f, f / "model.gguf")),
+                                           folders.values())))
 
     @functools.cache
-    def build(name: str) -> tuple[Path, str, LLM]:
-        root = tmp_path_factory.mktemp(name)
-        folder = write_hf_folder(name, root)
-        gguf = str(convert(folder, root / f"{name}.gguf"))
+    def load(name: str) -> tuple[Path, LLM]:
         with pytest.MonkeyPatch.context() as mp:  # (its tokenizer's cache in the temp dir)
             mp.setenv("CONVEYOR_CACHE_DIR", str(cache))
-            llm = LLM(model=gguf, dtype="float32", num_kv_blocks=64, max_model_len=256)
-        return folder, gguf, llm
-    return build
+            return folders[name], LLM(model=ggufs[name], dtype="float32", num_kv_blocks=64,
+                                      max_model_len=256)
+    return load
 
 
 @pytest.mark.parametrize("name", list(FAMILIES))
 def test_tokens_and_chats_equal_the_hf_tokenizers(family, name):
-    folder, _, llm = family(name)
+    folder, llm = family(name)
     ours, hf = llm.engine.tokenizer, hf_tokenizer(folder)
     for text in TEXTS:
         assert ours(text).input_ids == hf(text).input_ids, text
@@ -72,7 +76,7 @@ def test_tokens_and_chats_equal_the_hf_tokenizers(family, name):
 def test_greedy_tokens_equal_transformers(family, name):
     """Llama 3.2's rope from rope_freqs, Qwen2.5's YaRN, Phi-3.5's LongRoPE, SmolLM3's layers
     without rope, each as the converter wrote them."""
-    folder, _, llm = family(name)
+    folder, llm = family(name)
     model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     ids = [llm.engine.tokenizer.encode(p) for p in PROMPTS]
     outputs = llm.generate([{"prompt_token_ids": i} for i in ids],
@@ -90,7 +94,7 @@ def test_greedy_tokens_equal_transformers(family, name):
 def test_a_chat_stops_at_the_end_of_its_turn(family, name):
     """Each end-of-turn token, forced by a logit bias, ends the reply (finish_reason "stop")
     with nothing of it in the text."""
-    _, _, llm = family(name)
+    _, llm = family(name)
     f, tokenizer = FAMILIES[name], llm.engine.tokenizer
     for text in (f.end_of_turn, *f.stops):
         (token,) = tokenizer.convert_tokens_to_ids([text])

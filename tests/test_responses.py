@@ -9,7 +9,7 @@ import json
 
 import httpx
 import pytest
-from server_process import running_server
+
 
 QUESTION = "Name three colours."
 ADD = {"type": "function", "name": "add", "description": "Add two integers.",
@@ -22,9 +22,8 @@ TEXT_EVENTS = ["response.output_item.added", "response.content_part.added",
 
 
 @pytest.fixture(scope="module")
-def server():
-    with running_server() as proc:
-        yield proc
+def server(default_server):
+    return default_server
 
 
 def cold(server) -> None:

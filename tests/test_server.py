@@ -9,7 +9,7 @@ import time
 import httpx
 import openai
 import pytest
-from server_process import running_server
+
 
 from conveyor.kernels import isa
 from conveyor.model.gguf_tokenizer import load_gguf_tokenizer
@@ -21,9 +21,8 @@ MESSAGES = [{"role": "user", "content": "Name three colours."}]
 
 
 @pytest.fixture(scope="module")
-def server():
-    with running_server() as proc:
-        yield proc
+def server(default_server):
+    return default_server
 
 
 @pytest.fixture(scope="module")

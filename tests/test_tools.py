@@ -22,7 +22,7 @@ from conveyor.server.streaming import TextDeltas
 from conveyor.server.tool_schemas import MAX_PARALLEL_CALLS, strict_schema, tool_constraint
 from conveyor.server.tools import ToolCallDeltas, parse_tool_calls, template_messages, tool_mode
 
-from server_process import running_server
+
 
 TOOL = {"type": "function", "function": {"name": "add", "parameters": {
     "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
@@ -393,9 +393,8 @@ ASK_BOTH = [{"role": "user", "content": "What is the weather in Paris, and what 
 
 
 @pytest.fixture(scope="module")
-def server():
-    with running_server() as proc:
-        yield proc
+def server(default_server):
+    return default_server
 
 
 def chat(client, model, messages, **kw):
