@@ -31,6 +31,7 @@ import shutil
 import subprocess
 import sys
 import tarfile
+import time
 import urllib.request
 import zipfile
 from collections.abc import Callable
@@ -69,8 +70,15 @@ def _download(url: str, sha256: str) -> bytes:
     """The file at url, cached under DATA by its digest."""
     path = DATA / "downloads" / sha256
     if not path.exists():
-        with urllib.request.urlopen(url, timeout=300) as r:
-            data = r.read()
+        for attempt in range(3):  # (a registry's hiccup is not the test's failure)
+            try:
+                with urllib.request.urlopen(url, timeout=300) as r:
+                    data = r.read()
+                break
+            except OSError:
+                if attempt == 2:
+                    raise
+                time.sleep(5)
         if hashlib.sha256(data).hexdigest() != sha256:
             raise RuntimeError(f"{url}: not the file this test pins (sha256 differs)")
         path.parent.mkdir(parents=True, exist_ok=True)
