@@ -13,7 +13,7 @@ from conveyor.llm import LLM
 from conveyor.model.config import GEMMA, ModelConfig
 from conveyor.model.gguf_config import gguf_config
 from conveyor.model.gguf_file import read_gguf
-from conveyor.model.rope import rope_attention_factor, rope_inv_freq
+from conveyor.model.rope import longrope_switch, rope_attention_factor, rope_inv_freq
 
 from tiny_models import _CONFIG_CLASSES, make_tiny_checkpoint, make_tiny_model, write_gguf
 
@@ -67,16 +67,18 @@ def test_a_partial_rotary_factor_in_the_rope_parameters_is_read_where_the_family
         assert ModelConfig.from_hf_config(config).rotary == rotary
 
 
-def test_longrope_takes_its_long_factors_where_the_served_length_passes_the_pretrained_one():
-    """llama.cpp's rule (see rope.longrope_factors), and transformers' attention factor."""
+def test_longrope_switches_where_a_served_sequence_may_pass_the_pretrained_length():
+    """Its short and long factors (the switch: rope.longrope_switch), and transformers'
+    attention factor."""
     config = ModelConfig.from_hf_config(hf_config(
         "phi3", hidden_size=64, num_attention_heads=4, max_position_embeddings=8192,
         original_max_position_embeddings=4096,
         rope_scaling={"rope_type": "longrope", "short_factor": [1.0] * 8,
                       "long_factor": [4.0] * 8}))
-    base = rope_inv_freq(dataclasses.replace(config, rope_scaling=None), 4096)
-    assert torch.equal(rope_inv_freq(config, 4096), base)
-    assert torch.equal(rope_inv_freq(config, 4097), base / 4)
+    base = rope_inv_freq(dataclasses.replace(config, rope_scaling=None))
+    assert torch.equal(rope_inv_freq(config), base)
+    assert torch.equal(rope_inv_freq(config, long=True), base / 4)
+    assert (longrope_switch(config, 4096), longrope_switch(config, 4097)) == (None, 4096)
     assert rope_attention_factor(config) == pytest.approx(math.sqrt(1 + math.log(2) / math.log(4096)))
     with pytest.raises(ValueError, match="short_factor has 3 factors, not 8"):
         ModelConfig.from_hf_config(hf_config(

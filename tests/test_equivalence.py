@@ -194,6 +194,11 @@ TINY = {
     # Phi-4-mini's rope: half of each head rotated, LongRoPE (its short factors, as the served
     # length is within the pretrained one; the attention factor from 8192 / 4096)
     "phi3-partial-longrope": ("phi3", {"partial_rotary_factor": 0.5, **phi3_longrope(4)}),
+    # LongRoPE pretrained at 32 of 256 positions: prompts of 5-90 tokens on both sides of it and
+    # answers that cross it, so tokens take the short factors, the long ones, or first the one
+    # and then the other (transformers' switch), cached and preempted
+    "phi3-longrope-switch": ("phi3", {**phi3_longrope(8), "max_position_embeddings": 256,
+                                      "original_max_position_embeddings": 32}),
     # sliding windows shorter than the prompts and answers (5-90 tokens, then 40), across pages
     # of 16: every layer's (Mistral), from the second layer on (Qwen2), every other (Gemma 2),
     # the first of two with its own rope (Gemma 3)
@@ -224,7 +229,7 @@ def tiny_paths(tmp_path_factory):
 # q/k norms and a head_dim of its own, partial rotary, windows with a local rope, soft caps;
 # this CPU's tier, the PyTorch path and the static policy run them all.
 LOWER_TIERS_TINY = ("llama", "llama-bf16", "qwen2-fp16", "qwen3", "phi3-partial-longrope",
-                    "gemma2", "gemma3")
+                    "phi3-longrope-switch", "gemma2", "gemma3")
 TINY_RUNS = [pytest.param(name, *path.values, id=f"{name}-{path.id}") for name in TINY
              for path in PATHS if path.values[0] in (NATIVE, "pytorch")
              or name in LOWER_TIERS_TINY]

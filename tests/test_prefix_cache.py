@@ -147,6 +147,23 @@ def test_prefix_hit_skips_the_cached_pages_but_computes_the_last_token():
     assert kv.pool.ref_count(a.block_ids[0]) == 3
 
 
+def test_pages_are_shared_only_under_the_same_salt():
+    """(LongRoPE's long prompts: the same tokens, rotated otherwise)"""
+    kv = KVCacheManager(num_blocks=16, block_size=4)
+    sched = Scheduler(SchedulerConfig(4, 64, 64), kv)
+    a = Request("a", list(range(1, 13)), SamplingParams(max_tokens=2), frozenset(), 0)
+    a.cache_salt = b"long rope"
+    sched.add_request(a)
+    sched.update_from_output(sched.schedule(0), {"a": 50}, 0)
+    plain, salted = (Request(i, list(range(1, 13)), SamplingParams(max_tokens=2), frozenset(), 1)
+                     for i in "bc")
+    salted.cache_salt = a.cache_salt
+    sched.add_request(plain)
+    sched.add_request(salted)
+    sched.schedule(1)
+    assert plain.num_cached_tokens == 0 and salted.num_cached_tokens == 8
+
+
 def test_priority_admits_first_and_preempts_the_lowest():
     kv = KVCacheManager(num_blocks=5, block_size=2)
     sched = Scheduler(SchedulerConfig(2, 64, 10, scheduling_policy="priority"), kv)

@@ -34,7 +34,7 @@ class KVCacheManager:
         hashes, bs = request.block_hashes, self.block_size
         while len(hashes) < num_blocks:
             i = len(hashes)
-            hashes.append(hash_block(hashes[-1] if hashes else None,
+            hashes.append(hash_block(hashes[-1] if hashes else request.cache_salt,
                                      request.all_token_ids[i * bs:(i + 1) * bs]))
         return hashes[:num_blocks]
 

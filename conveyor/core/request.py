@@ -43,6 +43,9 @@ class Request:
         self.num_computed_tokens = 0
         self.block_ids: list[int] = []
         self.block_hashes: list[bytes] = []   # chained hashes of its full pages, memoised
+        # where the chain starts: pages that hold other values for the same tokens (LongRoPE's
+        # long prompts) are only ever shared with requests of the same salt
+        self.cache_salt: bytes | None = None
         self.num_published_blocks = 0         # pages of block_ids already in the prefix cache
         self.num_cached_tokens: int | None = None  # prompt tokens found cached at first admission
         self.priority = priority              # lower runs first under priority scheduling

@@ -25,6 +25,7 @@ from conveyor.engine import faults
 from conveyor.engine.detokenizer import IncrementalDetokenizer
 from conveyor.engine.input_processor import InputProcessor, Prompt, check_chat_template
 from conveyor.model.loader import load_model
+from conveyor.model.rope import longrope_switch
 from conveyor.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from conveyor.sampling_params import PoolingParams, SamplingParams
 from conveyor.worker.rank import run_worker
@@ -123,6 +124,7 @@ class LLMEngine:
         if model_len is None:  # the model's own limit, clamped to what the pool can hold
             model_len = min(loaded.config.max_position_embeddings, num_blocks * config.block_size)
         self.max_model_len = model_len
+        self._longrope_from = longrope_switch(loaded.config, model_len)
         self.scheduler = Scheduler(
             config.scheduler_config(model_len),
             make_kv_cache_manager(config.kv_layout, num_blocks, config.block_size, model_len,
@@ -173,6 +175,8 @@ class LLMEngine:
                 params, n=1, seed=None if params.seed is None else params.seed + i)
             sample_id = request_id if params.n == 1 else f"{i}_{request_id}"
             request = Request(sample_id, ids, sample_params, self.eos_token_ids, arrival, priority)
+            if self._longrope_from is not None and len(ids) > self._longrope_from:
+                request.cache_salt = b"long rope"  # (its pages rotated unlike a short prompt's)
             if params.structured_outputs is not None:
                 request.grammar = self.grammars.matcher(params.structured_outputs)
                 request.grammar_after = params.structured_outputs.after_token

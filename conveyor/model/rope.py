@@ -13,9 +13,9 @@ import torch
 from conveyor.model.config import ModelConfig
 
 
-def rope_inv_freq(config: ModelConfig, max_len: int) -> torch.Tensor:
-    """Each rotated pair's frequency (the rotary dimensions': ``config.rotary``); max_len: the
-    longest sequence the tables serve, which picks longrope's factors."""
+def rope_inv_freq(config: ModelConfig, long: bool = False) -> torch.Tensor:
+    """Each rotated pair's frequency (the rotary dimensions': ``config.rotary``); long:
+    LongRoPE's long factors instead of its short ones (``longrope_switch``)."""
     dim = config.rotary
     inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     scaling = config.rope_scaling
@@ -26,7 +26,8 @@ def rope_inv_freq(config: ModelConfig, max_len: int) -> torch.Tensor:
     if scaling["rope_type"] == "yarn":
         return _yarn_inv_freq(config)
     if scaling["rope_type"] == "longrope":
-        return inv_freq / torch.tensor(longrope_factors(config, max_len), dtype=torch.float32)
+        factors = scaling["long_factor" if long else "short_factor"]
+        return inv_freq / torch.tensor(factors, dtype=torch.float32)
     if scaling["rope_type"] == "freq_factors":
         return inv_freq / torch.tensor(scaling["factors"], dtype=torch.float32)
     # llama3: long wavelengths slowed by `factor`, short ones kept, a smooth blend in between.
@@ -65,14 +66,20 @@ def _yarn_inv_freq(config: ModelConfig) -> torch.Tensor:
             + 1.0 / pos_freqs * extrapolated)
 
 
-def longrope_factors(config: ModelConfig, max_len: int) -> list[float]:
-    """LongRoPE's divisors of the frequencies: the long ones where a sequence may outgrow the
-    pretrained length (``max_len`` past it), else the short ones. llama.cpp's rule: the choice
-    is the served length's, made once, so cached keys keep their rotation. transformers
-    switches as a sequence crosses that length; up to it the two agree."""
+def longrope_switch(config: ModelConfig, max_len: int) -> int | None:
+    """The pretrained length past which LongRoPE's long factors rotate a token, where a served
+    sequence (up to ``max_len``) may pass it; else None (the short factors only).
+
+    transformers' rule, which Conveyor follows token by token: a forward pass rotates with the
+    long factors when its sequence (a prompt at once, or a prompt and the tokens sampled so
+    far) is longer than the pretrained length; the keys cached before keep their rotation. So a
+    prompt token of a longer prompt takes the long ones, a sampled token once its position
+    passes that length. (llama.cpp picks once by the served length instead.)"""
     s = config.rope_scaling
-    long = max_len > s["original_max_position_embeddings"]
-    return s["long_factor" if long else "short_factor"]
+    if s is None or s["rope_type"] != "longrope":
+        return None
+    pretrained = s["original_max_position_embeddings"]
+    return pretrained if max_len > pretrained else None
 
 
 def rope_attention_factor(config: ModelConfig) -> float:
@@ -99,10 +106,10 @@ def rope_attention_factor(config: ModelConfig) -> float:
 
 
 def rope_tables(config: ModelConfig, max_len: int, dtype: torch.dtype,
-                device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+                device: torch.device, long: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and signed sin of every position, [max_len, rotary dims], in the model dtype: the
     sin's first half is negated so that rotating a vector is one ``roll`` (see ``apply_rope``)."""
-    freqs = torch.outer(torch.arange(max_len, dtype=torch.float32), rope_inv_freq(config, max_len))
+    freqs = torch.outer(torch.arange(max_len, dtype=torch.float32), rope_inv_freq(config, long))
     emb = torch.cat((freqs, freqs), dim=-1)
     cos, sin = emb.cos(), emb.sin()
     factor = rope_attention_factor(config)
@@ -114,10 +121,15 @@ def rope_tables(config: ModelConfig, max_len: int, dtype: torch.dtype,
 
 def model_rope_tables(config: ModelConfig, max_len: int, dtype: torch.dtype,
                       device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Each rope a layer may read (``ModelConfig.rope_index``): the model's; the sliding layers'
-    own base where they have one (Gemma 3's, unscaled); and where some layer has no rope
-    (SmolLM3's), cos 1 and sin 0, which leave q and k as they are."""
+    """Each rope a layer may read (``ModelConfig.rope_index``): the model's (where LongRoPE
+    switches, its short rows then its long ones: a token reads row ``position`` or ``max_len +
+    position``); the sliding layers' own base where they have one (Gemma 3's, unscaled); and
+    where some layer has no rope (SmolLM3's), cos 1 and sin 0, which leave q and k as they
+    are."""
     tables = [rope_tables(config, max_len, dtype, device)]
+    if longrope_switch(config, max_len) is not None:
+        long = rope_tables(config, max_len, dtype, device, long=True)
+        tables[0] = tuple(torch.cat(pair) for pair in zip(tables[0], long))
     if config.local_rope_theta is not None:
         local = dataclasses.replace(config, rope_theta=config.local_rope_theta, rope_scaling=None)
         tables.append(rope_tables(local, max_len, dtype, device))

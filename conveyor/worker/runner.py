@@ -18,7 +18,7 @@ from conveyor.model.attention import AttentionMetadata, DecodeGroup, PrefillChun
 from conveyor.model.backend import apply_backend
 from conveyor.model.config import ModelConfig
 from conveyor.model.families import network
-from conveyor.model.rope import model_rope_tables
+from conveyor.model.rope import longrope_switch, model_rope_tables
 from conveyor.worker.sampler import GrammarMask, Sampler, SampleResult, ranked_logprobs
 from conveyor.worker.sharding import ffn_granule, kv_heads_per_rank, plan_shards, shard_model
 from conveyor.worker.tensor_parallel import TensorParallel
@@ -60,7 +60,7 @@ class StepPlan:
     (no tensors, no requests), from which each builds the same tensors."""
 
     ids: list[int] = field(default_factory=list)        # flat token ids, decodes first
-    positions: list[int] = field(default_factory=list)
+    rope_rows: list[int] = field(default_factory=list)  # each token's row of the rope tables
     slots: list[int] = field(default_factory=list)      # where each token's K/V is written
     # single-token query groups: (block tables padded to one width, context lengths)
     decode_groups: list[tuple[list[list[int]], list[int]]] = field(default_factory=list)
@@ -129,6 +129,8 @@ class ModelRunner:
                       kernels=kernels, kv_caches=self.kv_caches,
                       all_reduce=None if tensor_parallel is None else tensor_parallel.all_reduce)
         self.ropes = model_rope_tables(config, max_model_len, dtype, device)
+        self.max_model_len = max_model_len
+        self.longrope_from = longrope_switch(config, max_model_len)
         self.kernel_path = describe(device, dtype, config.head_dim, kernels)
         self.sampler = (Sampler(config.vocab_size, device, seed) if kernels is None else
                         Sampler(config.vocab_size, device, seed, kernels.argmax_rows,
@@ -171,7 +173,7 @@ class ModelRunner:
         for r, n in decodes + chunks:
             start = r.num_computed_tokens
             plan.ids += r.all_token_ids[start:start + n]
-            plan.positions += range(start, start + n)
+            plan.rope_rows += self._rope_rows(r, start, n)
             plan.slots += self._slots(r, start, start + n)
 
         # (request, its query's context length), a row each
@@ -206,6 +208,17 @@ class ModelRunner:
                 sampling.append(r)
         return plan, sampling, spans, pooled
 
+    def _rope_rows(self, r: Request, start: int, n: int) -> range | list[int]:
+        """The rope rows of the request's tokens at positions start..start + n: the positions,
+        moved to the long rows where LongRoPE's long factors rotate them (``longrope_switch``)."""
+        pretrained = self.longrope_from
+        if pretrained is None or max(r.num_prompt_tokens, start + n) <= pretrained:
+            return range(start, start + n)
+        if r.num_prompt_tokens > pretrained:  # (a long prompt: all its tokens too)
+            return range(self.max_model_len + start, self.max_model_len + start + n)
+        # sampled tokens, past the prompt: long from the position that passes the length
+        return [p + self.max_model_len * (p >= pretrained) for p in range(start, start + n)]
+
     def _inputs(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """The plan's token ids, positions and attention metadata as tensors."""
         groups, offset = [], 0
@@ -222,7 +235,7 @@ class ModelRunner:
             offset += n
         meta = AttentionMetadata(self._tensor(plan.slots), groups, prefills, self.decode_kernel,
                                  self.rope_kv_write)
-        return self._tensor(plan.ids), self._tensor(plan.positions), meta
+        return self._tensor(plan.ids), self._tensor(plan.rope_rows), meta
 
     def _start_grammar_mask(self, sampling: list[Request]
                             ) -> tuple[list[int], torch.Tensor, Future] | None:
@@ -240,9 +253,8 @@ class ModelRunner:
     def forward(self, plan: StepPlan) -> torch.Tensor:
         """The network over the plan's tokens: their last hidden states. Every tensor-parallel
         rank runs this on the same plan, its layers meeting the others' at the all-reduces."""
-        ids, positions, meta = self._inputs(plan)
-        ropes = [(cos[positions].unsqueeze(1), sin[positions].unsqueeze(1))
-                 for cos, sin in self.ropes]
+        ids, rows, meta = self._inputs(plan)
+        ropes = [(cos[rows].unsqueeze(1), sin[rows].unsqueeze(1)) for cos, sin in self.ropes]
         return self.model(ids, ropes, self.kv_caches, meta)
 
     def logits(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor | None:
