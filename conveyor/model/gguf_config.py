@@ -222,8 +222,9 @@ def _refuse_unread(reader: GGUFFile, config: ModelConfig) -> None:
             continue
         name = key[len(arch) + 1:]
         rope_type = (config.rope_scaling or {}).get("rope_type")
-        if (name in _READ or name in _READ_BY_ARCH.get(arch, ()) or name.startswith(_UNUSED_WITHOUT_SCALING) and
-                config.rope_scaling is None or name == "rope.scaling.factor"
+        if (name in _READ or name in _READ_BY_ARCH.get(arch, ())
+                or name.startswith(_UNUSED_WITHOUT_SCALING) and config.rope_scaling is None
+                or name == "rope.scaling.factor"
                 or name == "attention.sliding_window" and arch in _WINDOWED
                 or name == "rope.dimension_count" and arch == "phi3"
                 or rope_type == "longrope" and name in ("rope.scaling.original_context_length",
