@@ -30,7 +30,7 @@ class Linear(nn.Linear):
     there is no dense weight at all), or dense, and then possibly reordered once into oneDNN's
     blocked layout: on the CPU in bfloat16 the prepacked matmul is faster at the row counts a
     step has (1-64; docs/results/design-notes#prepacked-linear) and gives the same bits as
-    ``F.linear`` (checked in tests/test_model_layers.py)."""
+    ``F.linear`` (checked in tests/model/test_model_layers.py)."""
 
     packed: torch.Tensor | None = None
     # The weight in GGUF blocks: runs of output rows (a fused linear's parts), one call each.

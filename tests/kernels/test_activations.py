@@ -53,7 +53,7 @@ def test_greedy_agreement_with_float_activations():
     is float: more rows than int_rows). Measured on the Sapphire Rapids VM: int16 12 of 12,
     int8 8 of 12 (docs/results/activation-quant); asserted with a margin for other tiers'
     summation orders."""
-    from test_equivalence import NEW_TOKENS, text_prompts
+    from equivalence import NEW_TOKENS, text_prompts
 
     from conveyor import LLM, SamplingParams
 

@@ -12,118 +12,16 @@ the static policy at the machine's own tier.
 
 from __future__ import annotations
 
-import functools
-import os
-import random
 
 import gguf
 import pytest
 import torch
-import transformers
 
-from conveyor import LLM, SamplingParams
+from conveyor import LLM
 from conveyor.kernels import bindings, isa
 
-TIE = 1e-4
-BF16_TIE = 0.25    # two bfloat16 steps at |logit| ~16, the top logits' scale for this model
-BF16_TOKENS = 12   # "the first tokens": after a few bf16 roundings paths may part at near-ties
-NEW_TOKENS = 40
-PROMPT_LENGTHS = [5, 9, 14, 20, 27, 33, 41, 50, 58, 66, 77, 90]
-
-TEXT = ("Continuous batching admits and evicts requests at every iteration of the model, so the "
-        "batch stays full while short answers finish and long ones keep going. The KV cache lives "
-        "in fixed-size pages drawn from a pool and returned the moment a request ends; without "
-        "paging, memory would be reserved for the longest possible answer of every request, and "
-        "far fewer requests could run at once. Static batching, by contrast, waits for the longest "
-        "request of a batch before it admits anyone new, which leaves finished slots idle.")
-
-
-def text_prompts(tokenizer) -> list[list[int]]:
-    ids = tokenizer.encode(TEXT)
-    assert len(ids) >= max(PROMPT_LENGTHS)
-    return [ids[i % 7:i % 7 + n] for i, n in enumerate(PROMPT_LENGTHS)]
-
-
-def random_prompts(vocab: int) -> list[list[int]]:
-    rng = random.Random(1234)
-    return [[rng.randrange(3, vocab) for _ in range(n)] for n in PROMPT_LENGTHS]
-
-
-@torch.inference_mode()
-def hf_greedy(model, prompt: list[int], new_tokens: int) -> tuple[list[int], list[float]]:
-    """transformers' greedy continuation with its KV cache, and the top-2 logit gap at each step."""
-    tokens, gaps = [], []
-    cache = transformers.DynamicCache()
-    inputs = torch.tensor([prompt])
-    for _ in range(new_tokens):
-        out = model(input_ids=inputs, past_key_values=cache, use_cache=True)
-        logits = out.logits[0, -1].float()
-        top2 = logits.topk(2).values
-        tokens.append(int(logits.argmax()))
-        gaps.append(float(top2[0] - top2[1]))
-        inputs = torch.tensor([[tokens[-1]]])
-    return tokens, gaps
-
-
-@functools.lru_cache(maxsize=None)
-def reference(kind: str, path: str, dtype: str = "float32", new_tokens: int = NEW_TOKENS
-              ) -> tuple[list[list[int]], list[tuple[list[int], list[float]]]]:
-    """kind: "gguf" (the default model, text prompts), "tiny-gguf" or "hf" (random prompts)."""
-    if kind.endswith("gguf"):
-        model = transformers.AutoModelForCausalLM.from_pretrained(
-            os.path.dirname(path), gguf_file=os.path.basename(path), dtype=getattr(torch, dtype))
-    else:
-        model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    if kind == "gguf":
-        prompts = text_prompts(transformers.AutoTokenizer.from_pretrained(
-            os.path.dirname(path), gguf_file=os.path.basename(path)))
-    else:
-        prompts = random_prompts(model.config.vocab_size)
-    model.eval()
-    return prompts, [hf_greedy(model, p, new_tokens) for p in prompts]
-
-
-def compare(ours: list[int], ref: list[int], gaps: list[float], tie: float = TIE) -> bool:
-    """True if identical; False if they part at a tie; fails the test otherwise."""
-    for step, (a, b) in enumerate(zip(ours, ref)):
-        if a != b:
-            assert gaps[step] <= tie, (
-                f"token {step} differs ({a} vs transformers' {b}) and transformers' top-2 gap "
-                f"{gaps[step]:.3g} is not a tie\nours: {ours}\nref:  {ref}")
-            return False
-    assert len(ours) == len(ref)
-    return True
-
-
-def run_conveyor(path: str | None, prompts, policy: str, dtype: str = "float32",
-                 new_tokens: int = NEW_TOKENS, max_num_seqs: int = 12,
-                 tensor_parallel_size: int = 1, check=None):
-    """check(llm): called after the run, before the engine shuts down."""
-    llm = LLM(model=path, dtype=dtype, policy=policy, block_size=16, num_kv_blocks=20,
-              max_model_len=160, max_num_seqs=max_num_seqs, max_num_batched_tokens=64,
-              tensor_parallel_size=tensor_parallel_size)
-    try:
-        params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
-        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params,
-                               use_tqdm=False)
-        pool = llm.engine.scheduler.kv.pool
-        assert pool.num_free_blocks == pool.num_blocks, "KV pages leaked"
-        if check is not None:
-            check(llm)
-    finally:
-        llm.engine.shutdown()
-    return outputs
-
-
-def check_model(kind: str, path: str, policy: str, every: int = 1) -> None:
-    """every: take every so many of the prompts (the slow paths take fewer)."""
-    prompts, refs = reference(kind, path)
-    prompts, refs = prompts[::every], refs[::every]
-    outputs = run_conveyor(None if kind == "gguf" else path, prompts, policy)
-    assert sum(o.metrics.num_preemptions for o in outputs) > 0, "the pool was meant to preempt"
-    identical = [compare(o.outputs[0].token_ids, *ref) for o, ref in zip(outputs, refs)]
-    assert all(o.prompt_token_ids == p for o, p in zip(outputs, prompts))
-    print(f"{kind} {policy}: {sum(identical)}/{len(identical)} identical, rest parted at ties")
+from equivalence import (BF16_TIE, BF16_TOKENS, check_model, compare, reference,
+                         run_conveyor)
 
 
 NATIVE = isa.current().detected

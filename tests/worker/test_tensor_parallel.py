@@ -1,30 +1,18 @@
 """Tensor parallelism over torch.distributed (gloo, local processes): the shard plan, greedy
-tokens with 2 ranks equal to 1 rank's (float32), the all-reduces a step makes, the server on 2
-ranks, torchrun's launch, and a worker's death taking the server down."""
+tokens with 2 ranks equal to 1 rank's (float32), the all-reduces a step makes and torchrun's
+launch (the server on 2 ranks: tests/server/test_server_two_ranks.py)."""
 
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 
 import gguf
-import httpx
 import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-
-# The server tests that run again here against a 2-rank server (the `server` fixture below).
-from test_server import (  # noqa: F401
-    test_32_concurrent_streams_batch_together,
-    test_chat_streamed_equals_non_streamed,
-    test_completion_streamed_equals_non_streamed,
-    test_disconnect_frees_pages,
-    test_n2_and_several_prompts,
-    test_repeated_prefix_is_served_from_the_cache,
-)
 
 from conveyor import LLM, SamplingParams
 from conveyor.kernels.blocks import QuantizedWeight
@@ -33,8 +21,7 @@ from conveyor.model.gguf_tokenizer import load_gguf_tokenizer
 from conveyor.process import free_port
 from conveyor.worker.sharding import _slice_blocks, kv_heads_per_rank, plan_shards
 
-from server_process import child_pids, running_server
-from test_equivalence import random_prompts, run_conveyor, text_prompts
+from equivalence import random_prompts, run_conveyor, text_prompts
 
 SMOLLM2 = ModelConfig("llama", 49152, 576, 1536, 30, 9, 3, 64, 1e-5, 1e4, None, 2048, True,
                       False, False, None)
@@ -148,18 +135,6 @@ def test_tiny_checkpoints_two_ranks_equal_one(tiny_checkpoint, arch, policy):
     assert tokens(two) == tokens(one)
 
 
-# -- the server on 2 ranks ---------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def server():
-    with running_server("--tensor-parallel-size", "2") as proc:
-        yield proc
-
-
-def test_the_server_says_it_runs_two_ranks(server):
-    version = httpx.get(f"{server.base_url}/version").json()
-    assert version["tensor_parallel_size"] == 2
-
-
 # -- torchrun ----------------------------------------------------------------------------------
 def test_torchrun_launches_the_same_command_on_every_rank(tiny_checkpoint):
     """``torchrun --nproc-per-node 2 -m conveyor.cli generate -tp 2``: rank 0 prints the text,
@@ -176,11 +151,3 @@ def test_torchrun_launches_the_same_command_on_every_rank(tiny_checkpoint):
                          env=dict(os.environ, HF_HUB_OFFLINE="1"))
     assert two.returncode == 0, two.stderr[-3000:]
     assert f"--- {prompt!r}\n{text}\n[16 tokens" in two.stdout
-
-
-def test_a_dead_worker_takes_the_server_down(server):
-    """(Last: it ends the module's server.)"""
-    (worker,) = child_pids(server.proc.pid, "spawn_main")
-    os.kill(worker, signal.SIGKILL)
-    assert server.proc.wait(30) == 1, server.log()[-3000:]  # down, not hung
-    assert "tensor-parallel worker conveyor-tp1 exited with -9" in server.log()

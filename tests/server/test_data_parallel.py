@@ -38,7 +38,7 @@ from conveyor.server.data_parallel.router import (PREFIX_BLOCKS, NoReplicaUp, Ro
 from conveyor.settings import from_namespace
 
 from server_process import child_pids, running_server
-from test_equivalence import random_prompts, run_conveyor
+from equivalence import random_prompts, run_conveyor
 from tiny_models import make_tiny_checkpoint
 
 # The equivalence tests' engine: a pool small enough to preempt, prompts prefilled in chunks.

@@ -104,7 +104,7 @@ def test_which_configs_have_a_sliding_window(arch, overrides, window):
 
 
 def test_a_sliding_window_keeps_the_model_length(tmp_path):
-    """The window is attended to as the model does (tests/test_equivalence.py), so a model
+    """The window is attended to as the model does (tests/e2e/test_equivalence.py), so a model
     length past it is the model's own."""
     folder = make_tiny_checkpoint(tmp_path / "swa", "mistral", sliding_window=24)
     llm = LLM(folder, dtype="float32", num_kv_blocks=16, max_num_seqs=2, max_model_len=64)
