@@ -16,17 +16,19 @@ from dataclasses import dataclass
 import torch
 
 from conveyor.config import EngineConfig
-from conveyor.core.grammar import GrammarCompiler, UnsatisfiableConstraint, consume
+from conveyor.core.grammar import GrammarCompiler
 from conveyor.core.kv_cache_manager import make_kv_cache_manager
-from conveyor.core.request import Request, RequestStatus
+from conveyor.core.request import Request
 from conveyor.core.scheduler import Scheduler
 from conveyor.core.timeline import BatchTimeline, StepRecord
 from conveyor.engine import faults
 from conveyor.engine.detokenizer import IncrementalDetokenizer
 from conveyor.engine.input_processor import InputProcessor, Prompt, check_chat_template
+from conveyor.engine.output_processor import OutputProcessor, RequestState, SampleState
+from conveyor.model.config import ModelConfig
 from conveyor.model.loader import load_model
 from conveyor.model.rope import longrope_switch
-from conveyor.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from conveyor.outputs import RequestOutput
 from conveyor.sampling_params import PoolingParams, SamplingParams
 from conveyor.worker.rank import run_worker
 from conveyor.worker.runner import ModelRunner, kv_bytes_per_block
@@ -39,31 +41,23 @@ _EMBEDDING = SamplingParams(max_tokens=1)
 STEP_HISTORY = 20_000  # per-step records kept for /v1/engine/steps (a few MB at most)
 
 
-@dataclass
-class _Sample:
-    """One of a request's n samples: the schedulable request plus its text."""
-
-    request: Request
-    detokenizer: IncrementalDetokenizer
-    logprobs: list[dict[int, Logprob]] | None
+@dataclass(frozen=True)
+class KVPool:
+    num_blocks: int
+    bytes: int          # over all tensor-parallel ranks
+    max_model_len: int  # the flag's, else the model's own limit clamped to what the pool holds
 
 
-@dataclass
-class _RequestState:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    samples: list[_Sample]
-    error: str | None = None
-    client_error: bool = False  # the error is the request's own input's fault
-    prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # filled as chunks run
-    pooling: PoolingParams | None = None  # an embedding request
-    pooled: torch.Tensor | None = None    # its vector so far (mean pooling: the sum)
-    embedding: list[float] | None = None
-
-    @property
-    def finished(self) -> bool:
-        return all(s.request.is_finished for s in self.samples)
+def size_kv_pool(config: EngineConfig, model: ModelConfig, dtype: torch.dtype,
+                 device: torch.device) -> KVPool:
+    """The pool's pages: ``--num-kv-blocks``, else as many as the KV memory holds
+    (``--kv-cache-memory``, else a share of the free memory)."""
+    per_block = kv_bytes_per_block(model, config.block_size, dtype, config.tensor_parallel_size)
+    num_blocks = config.num_kv_blocks or config.kv_cache_bytes(device) // per_block
+    model_len = config.max_model_len
+    if model_len is None:
+        model_len = min(model.max_position_embeddings, num_blocks * config.block_size)
+    return KVPool(num_blocks, num_blocks * per_block, model_len)
 
 
 def resident_gib() -> tuple[float, float]:
@@ -89,11 +83,10 @@ class LLMEngine:
         except BaseException:
             self.shutdown()
             raise
-        self._states: dict[str, _RequestState] = {}
-        self._live_samples: dict[str, tuple[_RequestState, _Sample]] = {}  # by sample id
         self.steps: deque[StepRecord] = deque(maxlen=STEP_HISTORY)
         self.num_steps = 0
         self.timeline = BatchTimeline(config.max_num_seqs)
+        self.output_processor = OutputProcessor(self.tokenizer, self.scheduler, self.timeline)
         faults.install(self)  # (only under CONVEYOR_FAULT_INJECTION, for tests)
         # The model, tokenizer and libraries loaded so far are permanent: moved out of the
         # cycle collector's sight, its collections only walk what the steps create
@@ -117,12 +110,8 @@ class LLMEngine:
         self.dtype = config.torch_dtype(loaded.config.torch_dtype, self.device)
         self.dtype_reason = config.dtype_reason(loaded.config.torch_dtype, self.device)
 
-        per_block = kv_bytes_per_block(loaded.config, config.block_size, self.dtype,
-                                       config.tensor_parallel_size)
-        num_blocks = config.num_kv_blocks or config.kv_cache_bytes(self.device) // per_block
-        model_len = config.max_model_len
-        if model_len is None:  # the model's own limit, clamped to what the pool can hold
-            model_len = min(loaded.config.max_position_embeddings, num_blocks * config.block_size)
+        pool = size_kv_pool(config, loaded.config, self.dtype, self.device)
+        num_blocks, model_len = pool.num_blocks, pool.max_model_len
         self.max_model_len = model_len
         self._longrope_from = longrope_switch(loaded.config, model_len)
         self.scheduler = Scheduler(
@@ -143,7 +132,7 @@ class LLMEngine:
                                   tensor_parallel=tp, **setup)
         if tp is not None:
             tp.barrier()
-        self.kv_cache_bytes = num_blocks * per_block
+        self.kv_cache_bytes = pool.bytes
         self.load_seconds = time.monotonic() - started  # the file, its weights placed, kernels
         logger.info("loaded %s in %.1f s (resident %.2f GiB, peak %.2f GiB; KV pool %.2f GiB, "
                     "resident as it fills); dtype %s (%s); %s", loaded.name, self.load_seconds,
@@ -162,14 +151,14 @@ class LLMEngine:
                     arrival_time: float | None = None, priority: int = 0) -> None:
         """Validate and queue a request (``PoolingParams``: an embedding, under task embed);
         raises ValueError (and queues nothing) on bad input."""
-        if request_id in self._states:
+        if request_id in self.output_processor.states:
             raise ValueError(f"request id {request_id!r} is already in use")
         text, ids = self.check_request(prompt, params)
         pooling = params if isinstance(params, PoolingParams) else None
         if pooling is not None:  # scheduled as a prompt that samples nothing
             params = _EMBEDDING
         arrival = time.monotonic() if arrival_time is None else arrival_time
-        state = _RequestState(request_id, text, ids, [], pooling=pooling)
+        state = RequestState(request_id, text, ids, [], pooling=pooling)
         for i in range(params.n):
             sample_params = params if params.n == 1 else dataclasses.replace(
                 params, n=1, seed=None if params.seed is None else params.seed + i)
@@ -182,7 +171,7 @@ class LLMEngine:
                 request.grammar_after = params.structured_outputs.after_token
             if state.samples and self.config.enable_prefix_caching:
                 request.waits_for_prefill_of = state.samples[0].request
-            state.samples.append(_Sample(
+            state.samples.append(SampleState(
                 request, IncrementalDetokenizer(self.tokenizer, ids, sample_params.stop_strings),
                 [] if sample_params.logprobs is not None else None))
         if pooling is not None:
@@ -190,11 +179,10 @@ class LLMEngine:
         if params.prompt_logprobs is not None:
             state.samples[0].request.prompt_logprobs = params.prompt_logprobs
             state.prompt_logprobs = [None] * len(ids)
-        self._states[request_id] = state
+        self.output_processor.add(state)
         for sample in state.samples:
             self.scheduler.add_request(sample.request)
             self.timeline.arrive(sample.request)
-            self._live_samples[sample.request.request_id] = (state, sample)
 
     def check_request(self, prompt: Prompt, params: SamplingParams | PoolingParams
                       ) -> tuple[str | None, list[int]]:
@@ -209,17 +197,12 @@ class LLMEngine:
         return self.inputs.check_request(prompt, _EMBEDDING if pooling else params)
 
     def abort_request(self, request_id: str) -> None:
-        state = self._states.pop(request_id, None)
-        if state is None:
-            return
-        now = time.monotonic()
-        for sample in state.samples:
+        state = self.output_processor.abort(request_id, time.monotonic())
+        for sample in state.samples if state is not None else ():
             self.scheduler.abort_request(sample.request.request_id)
-            self.timeline.leave(sample.request, now)
-            self._live_samples.pop(sample.request.request_id, None)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._states)
+        return bool(self.output_processor.states)
 
     def reset_prefix_cache(self) -> bool:
         """Forget all cached pages; refused (False) while requests hold pages."""
@@ -241,150 +224,21 @@ class LLMEngine:
         for victim in sched.preempted:
             logger.info("preempted %s (%d tokens) to free KV pages", victim.request_id,
                         victim.num_tokens)
-            if victim.pooling is not None:  # its prompt is computed again from the start
-                self._live_samples[victim.request_id][0].pooled = None
+            self.output_processor.preempted(victim)
         tp = self.tensor_parallel
         before = (0.0, 0.0) if tp is None else (tp.all_reduce_seconds, tp.communication_seconds)
         ran = self.runner.execute(sched)
-        results = ran.samples
         now = time.monotonic()
         talk = {} if tp is None else dict(
             all_reduce_seconds=tp.all_reduce_seconds - before[0],
             communication_seconds=tp.communication_seconds - before[1])
         self.timeline.record_step(self.num_steps, start, now, sched.scheduled, sched.preempted)
         advanced = self.scheduler.update_from_output(
-            sched, {rid: r.token_id for rid, r in results.items() if r.error is None}, now)
+            sched, {rid: r.token_id for rid, r in ran.samples.items() if r.error is None}, now)
 
-        touched: dict[str, _RequestState] = {}
-        for rid, (first, rows) in ran.prompt_logprobs.items():
-            if rid in self._live_samples:
-                state = self._live_samples[rid][0]
-                state.prompt_logprobs[first + 1:first + 1 + len(rows)] = [
-                    self._logprobs(entries) for entries in rows]
-        for request, _ in sched.scheduled:
-            if request.pooling is not None and request.request_id in self._live_samples:
-                state = self._pool(request, ran.pooled.get(request.request_id), now)
-                if state is not None:
-                    touched[state.request_id] = state
-        for rid, result in results.items():
-            if result.error is not None and rid in self._live_samples:
-                state = self._fail(rid, result.error, now)
-                touched[state.request_id] = state
-        for request in advanced:
-            if request.request_id not in self._live_samples:  # a sibling failed this step
-                continue
-            state, sample = self._live_samples[request.request_id]
-            touched[state.request_id] = state
-            try:
-                self._advance(request, sample, results[request.request_id], now)
-            except UnsatisfiableConstraint as e:  # the request's own input: no traceback
-                self._fail(request.request_id, str(e), now, client_error=True)
-            except Exception as e:  # this request's failure is its own; the batch carries on
-                logger.exception("request %s failed", request.request_id)
-                self._fail(request.request_id, f"{type(e).__name__}: {e}", now)
-
-        outputs = []
-        for state in touched.values():
-            outputs.append(self._output(state))
-            if state.finished:
-                del self._states[state.request_id]
+        outputs = self.output_processor.process(sched, ran, advanced, now)
         end = time.monotonic()
         self.steps.append(StepRecord.of(self.num_steps, end, end - start, self.scheduler, sched,
                                         **talk))
         self.num_steps += 1
         return outputs
-
-    def _advance(self, request: Request, sample: _Sample, result, now: float) -> None:
-        """A sampled token's grammar, logprobs, text and stop strings."""
-        if request.grammar_after is not None:  # not constrained yet: is this its start?
-            if result.token_id == request.grammar_after:
-                request.grammar_after = None
-        elif request.grammar is not None:  # the matcher follows the tokens: one consume each
-            consume(request.grammar, result.token_id)
-            if request.grammar.is_stopped() and not request.is_finished:  # grammar complete
-                self.scheduler.finish_request(request, RequestStatus.FINISHED_STOPPED)
-        if sample.logprobs is not None:
-            sample.logprobs.append(self._logprobs(result.logprobs))
-        stop = sample.detokenizer.add_token(
-            result.token_id,
-            check_stop=request.num_output_tokens >= request.sampling_params.min_tokens)
-        if stop is not None:  # a stop string outranks a length stop on the same token
-            request.stop_reason = stop
-            if request.is_finished:
-                request.status = RequestStatus.FINISHED_STOPPED
-            else:
-                self.scheduler.finish_request(request, RequestStatus.FINISHED_STOPPED)
-        if request.is_finished:
-            self._retire(request, now)
-
-    def _pool(self, request: Request, part: torch.Tensor | None, now: float
-              ) -> _RequestState | None:
-        """An embedding request's step: its share of the vector added; once its prompt is
-        computed, the vector finished and the request ended (its state, then)."""
-        state = self._live_samples[request.request_id][0]
-        if part is not None:
-            state.pooled = part if state.pooled is None else state.pooled + part
-        if request.num_computed_tokens < request.num_prompt_tokens:
-            return None
-        vector = state.pooled
-        if request.pooling == "mean":
-            vector = vector / request.num_prompt_tokens
-        if state.pooling.normalize:
-            vector = torch.nn.functional.normalize(vector, dim=0)
-        state.embedding = vector.tolist()
-        self.scheduler.finish_request(request, RequestStatus.FINISHED_STOPPED)
-        self._retire(request, now)
-        return state
-
-    def _logprobs(self, entries: list[tuple[int, float, int]]) -> dict[int, Logprob]:
-        return {tid: Logprob(lp, rank, self.tokenizer.decode([tid])) for tid, lp, rank in entries}
-
-    def _retire(self, request: Request, now: float) -> None:
-        """A finished sample leaves the batch's timeline and the engine's live samples."""
-        request.metrics.finished_time = now
-        self.timeline.leave(request, now)
-        self._live_samples.pop(request.request_id)
-
-    def _fail(self, sample_id: str, error: str, now: float, client_error: bool = False
-              ) -> _RequestState:
-        """End every sample of the request this sample belongs to with ``error``. Its pages go
-        back to the pool at once."""
-        state, _ = self._live_samples[sample_id]
-        state.error = error
-        state.client_error = client_error
-        for sample in state.samples:
-            request = sample.request
-            if request.request_id not in self._live_samples:
-                continue  # finished before
-            if request.is_finished:  # finished this step by length or a stop token
-                request.status = RequestStatus.FINISHED_ERROR
-            else:
-                self.scheduler.finish_request(request, RequestStatus.FINISHED_ERROR)
-            self._retire(request, now)
-        logger.warning("request %s failed: %s", state.request_id, error)
-        return state
-
-    def _output(self, state: _RequestState) -> RequestOutput:
-        completions = [CompletionOutput(i, s.detokenizer.text, list(s.request.output_token_ids),
-                                        s.request.finish_reason,
-                                        None if s.logprobs is None else list(s.logprobs),
-                                        s.request.stop_reason)
-                       for i, s in enumerate(state.samples)]
-        metrics = [s.request.metrics for s in state.samples]
-
-        def first(values):
-            values = [v for v in values if v is not None]
-            return min(values) if values else None
-
-        finished = state.finished
-        merged = RequestMetrics(
-            arrival_time=metrics[0].arrival_time,
-            first_scheduled_time=first(m.first_scheduled_time for m in metrics),
-            first_token_time=first(m.first_token_time for m in metrics),
-            finished_time=max(m.finished_time for m in metrics) if finished else None,
-            num_preemptions=sum(m.num_preemptions for m in metrics))
-        cached = [s.request.num_cached_tokens for s in state.samples]
-        return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, completions,
-                             finished, merged, max((c for c in cached if c is not None), default=0),
-                             state.error, state.client_error, state.prompt_logprobs,
-                             state.embedding)

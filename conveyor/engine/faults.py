@@ -72,7 +72,7 @@ def install(engine: Any) -> None:
     if not faults:
         return
     marked: dict[str, str] = {}  # sample id -> the fault it meets
-    add_request, advance = engine.add_request, engine._advance
+    add_request, advance = engine.add_request, engine.output_processor._advance
 
     def faulty_add_request(request_id, prompt, params, *args, **kwargs) -> None:
         text, ids = engine.inputs.tokenize(prompt)  # (add_request checks the request)
@@ -83,12 +83,13 @@ def install(engine: Any) -> None:
         add_request(request_id, prompt, params, *args, **kwargs)
         if kind is not None:
             marked.update({s.request.request_id: kind
-                           for s in engine._states[request_id].samples})
+                           for s in engine.output_processor.states[request_id].samples})
 
     def faulty_advance(request, sample, result, now) -> None:
         if marked.get(request.request_id) == "detokenize":
             raise InjectedFault(f"fault injected into the detokenizer of {request}")
         advance(request, sample, result, now)
 
-    engine.add_request, engine._advance = faulty_add_request, faulty_advance
+    engine.add_request = faulty_add_request
+    engine.output_processor._advance = faulty_advance
     engine.runner.sampler = _FaultySampler(engine.runner.sampler, marked)
