@@ -10,7 +10,7 @@ import torch
 
 from conveyor.core.grammar import BatchBitmask, bitmask_width
 from conveyor.core.request import Request
-from conveyor.core.scheduler import SchedulerOutput, samples
+from conveyor.core.scheduler import SchedulerOutput
 from conveyor.kernels.blocks import QuantizedWeight
 from conveyor.kernels.library import cpu_kernels, describe
 from conveyor.model import huge_pages
@@ -21,53 +21,12 @@ from conveyor.model.families import network
 from conveyor.model.rope import longrope_switch, model_rope_tables
 from conveyor.worker.sampler import GrammarMask, Sampler, SampleResult, ranked_logprobs
 from conveyor.worker.sharding import ffn_granule, kv_heads_per_rank, plan_shards, shard_model
+from conveyor.worker.step_plan import StepPlan, StepPlanner
 from conveyor.worker.tensor_parallel import TensorParallel
-
-# A chunk's tokens go through the decode kernel as queries of their own (see ModelRunner.plan)
-# while their attention work, the contexts its tokens read, is at most this (in the model's
-# dtype). Each query reads its whole context, where SDPA reads a block of queries' context once;
-# but the step is then one decode-stack call: faster for short chunks, slower past these bounds
-# (docs/results/design-notes#unified-chunks).
-UNIFIED_CHUNK_WORK = {torch.bfloat16: 256 * 257 // 2, torch.float32: 512 * 513 // 2}
-
-# A decode group is cut where a context needs this many times the pages of the group's shortest
-# (so padding at most doubles a group's attention work), once the group has MIN_DECODE_GROUP.
-DECODE_GROUP_GROWTH = 2.0
-MIN_DECODE_GROUP = 4
 
 # Prompt logprobs take the logits of this many rows at a time (a row is the vocabulary in
 # float32: a whole chunk's at once could take gigabytes).
 PROMPT_LOGITS_ROWS = 128
-
-
-def group_decodes(decodes: list[Request]) -> list[list[Request]]:
-    """Single-token queries sorted by context pages, in runs of similar length."""
-    groups: list[list[Request]] = []
-    for r in sorted(decodes, key=lambda r: len(r.block_ids)):
-        if groups:
-            group = groups[-1]
-            if (len(group) < MIN_DECODE_GROUP
-                    or len(r.block_ids) <= DECODE_GROUP_GROWTH * len(group[0].block_ids)):
-                group.append(r)
-                continue
-        groups.append([r])
-    return groups
-
-
-@dataclass
-class StepPlan:
-    """One step's inputs as plain lists: what rank 0 sends the other tensor-parallel ranks
-    (no tensors, no requests), from which each builds the same tensors."""
-
-    ids: list[int] = field(default_factory=list)        # flat token ids, decodes first
-    rope_rows: list[int] = field(default_factory=list)  # each token's row of the rope tables
-    slots: list[int] = field(default_factory=list)      # where each token's K/V is written
-    # single-token query groups: (block tables padded to one width, context lengths)
-    decode_groups: list[tuple[list[list[int]], list[int]]] = field(default_factory=list)
-    # multi-token chunks: (tokens, tokens already cached, pages of the context or None)
-    prefills: list[tuple[int, int, list[int] | None]] = field(default_factory=list)
-    logits_rows: list[int] = field(default_factory=list)  # the rows that sample
-    prompt_rows: list[int] = field(default_factory=list)  # the rows whose prompt logprobs count
 
 
 @dataclass
@@ -129,8 +88,6 @@ class ModelRunner:
                       kernels=kernels, kv_caches=self.kv_caches,
                       all_reduce=None if tensor_parallel is None else tensor_parallel.all_reduce)
         self.ropes = model_rope_tables(config, max_model_len, dtype, device)
-        self.max_model_len = max_model_len
-        self.longrope_from = longrope_switch(config, max_model_len)
         self.kernel_path = describe(device, dtype, config.head_dim, kernels)
         self.sampler = (Sampler(config.vocab_size, device, seed) if kernels is None else
                         Sampler(config.vocab_size, device, seed, kernels.argmax_rows,
@@ -139,85 +96,15 @@ class ModelRunner:
         # (the kernel rotates whole heads)
         self.rope_kv_write = (kernels.rope_kv_write if kernels is not None
                               and config.rotary_dim is None else None)
+        self.planner = StepPlanner(
+            block_size, dtype, max_model_len, longrope_switch(config, max_model_len),
+            one_decode_group=self.decode_kernel is not None,
+            stack_rows=None if self.model.decode_stack is None else self.model.decode_stack.max_rows)
         self._bitmask = BatchBitmask()
         self._bitmask_thread = ThreadPoolExecutor(1, thread_name_prefix="conveyor-bitmask")
 
     def _tensor(self, data: list, dtype: torch.dtype = torch.long) -> torch.Tensor:
         return torch.tensor(data, dtype=dtype, device=self.device)
-
-    def _slots(self, request: Request, start: int, end: int) -> list[int]:
-        bs, table = self.block_size, request.block_ids
-        return [table[p // bs] * bs + p % bs for p in range(start, end)]
-
-    def plan(self, out: SchedulerOutput) -> tuple[StepPlan, list[Request], list[tuple], list]:
-        """The step as plain lists (what tensor-parallel ranks are sent), decodes first, then
-        chunks; the requests that sample, in the order of its logits rows; the (request, first
-        position, count) of its prompt rows; and (request, first position, count, first row)
-        of its embedding requests' tokens."""
-        queries = [r for r, n in out.scheduled if n == 1]
-        # The kernel takes each context at its own length, so all decodes form one group.
-        decode_groups = (group_decodes(queries) if self.decode_kernel is None
-                         else [queries] if queries else [])
-        decodes = [(r, 1) for group in decode_groups for r in group]
-        chunks = [(r, n) for r, n in out.scheduled if n > 1]
-        stack = self.model.decode_stack
-        # Where the whole step fits the one-call decode stack and no chunk reads much context,
-        # the chunks' tokens join the decodes as queries of their own, each attending to the
-        # context up to itself (causal by its context length): one C call for the step instead
-        # of the layers one by one (docs/results/design-notes#unified-chunks).
-        unified = (stack is not None and chunks
-                   and len(decodes) + sum(n for _, n in chunks) <= stack.max_rows
-                   and all(n * (2 * r.num_computed_tokens + n + 1) // 2
-                           <= UNIFIED_CHUNK_WORK.get(self.dtype, 0) for r, n in chunks))
-        plan = StepPlan()
-        for r, n in decodes + chunks:
-            start = r.num_computed_tokens
-            plan.ids += r.all_token_ids[start:start + n]
-            plan.rope_rows += self._rope_rows(r, start, n)
-            plan.slots += self._slots(r, start, start + n)
-
-        # (request, its query's context length), a row each
-        query_groups = [[(r, r.num_computed_tokens + 1) for r in g] for g in decode_groups]
-        if unified:  # one group (the kernel's): the decodes, then every chunk token
-            query_groups = [[row for g in query_groups for row in g]
-                            + [(r, r.num_computed_tokens + i + 1) for r, n in chunks
-                               for i in range(n)]]
-        for group in query_groups:
-            width = max(len(r.block_ids) for r, _ in group)
-            plan.decode_groups.append(([r.block_ids + [0] * (width - len(r.block_ids))
-                                        for r, _ in group], [n for _, n in group]))
-        bs = self.block_size
-        for r, n in ([] if unified else chunks):
-            ctx = r.num_computed_tokens
-            plan.prefills.append((n, ctx, r.block_ids[:-(-(ctx + n) // bs)] if ctx else None))
-
-        # A request samples when this step brings its computed tokens level with its tokens.
-        # A prompt position's row gives the next prompt token's logprob.
-        sampling, spans, pooled, end = [], [], [], 0
-        for r, n in decodes + chunks:
-            start = r.num_computed_tokens
-            count = min(start + n, r.num_prompt_tokens - 1) - start
-            if r.prompt_logprobs is not None and count > 0:
-                plan.prompt_rows += range(end, end + count)
-                spans.append((r, start, count))
-            if r.pooling is not None:
-                pooled.append((r, start, n, end))
-            end += n
-            if samples(r, n):
-                plan.logits_rows.append(end - 1)
-                sampling.append(r)
-        return plan, sampling, spans, pooled
-
-    def _rope_rows(self, r: Request, start: int, n: int) -> range | list[int]:
-        """The rope rows of the request's tokens at positions start..start + n: the positions,
-        moved to the long rows where LongRoPE's long factors rotate them (``longrope_switch``)."""
-        pretrained = self.longrope_from
-        if pretrained is None or max(r.num_prompt_tokens, start + n) <= pretrained:
-            return range(start, start + n)
-        if r.num_prompt_tokens > pretrained:  # (a long prompt: all its tokens too)
-            return range(self.max_model_len + start, self.max_model_len + start + n)
-        # sampled tokens, past the prompt: long from the position that passes the length
-        return [p + self.max_model_len * (p >= pretrained) for p in range(start, start + n)]
 
     def _inputs(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """The plan's token ids, positions and attention metadata as tensors."""
@@ -279,7 +166,7 @@ class ModelRunner:
         self.sampler.forget(out.finished_ids)
         if out.is_empty:
             return StepResult({}, {})
-        plan, sampling, spans, pooled = self.plan(out)
+        plan, sampling, spans, pooled = self.planner.plan(out)
         if self.tensor_parallel is not None:
             self.tensor_parallel.send(plan)
         pending = self._start_grammar_mask(sampling)

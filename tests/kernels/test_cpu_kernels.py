@@ -405,7 +405,7 @@ def test_prompt_tokens_as_queries_match_sdpa(monkeypatch, default_gguf_path, nat
     log-probabilities within the dtype's reach."""
     from conveyor import LLM, SamplingParams
     from conveyor.model.model import Transformer
-    from conveyor.worker import runner
+    from conveyor.worker import step_plan
 
     llm = LLM(model=default_gguf_path, dtype=str(native_dtype).removeprefix("torch."),
               enable_prefix_caching=False)
@@ -430,8 +430,8 @@ def test_prompt_tokens_as_queries_match_sdpa(monkeypatch, default_gguf_path, nat
     assert prompts
     params = SamplingParams(temperature=0, max_tokens=1, logprobs=3)
     outputs = {}
-    for mode, work in (("queries", runner.UNIFIED_CHUNK_WORK[native_dtype]), ("sdpa", 0)):
-        monkeypatch.setattr(runner, "UNIFIED_CHUNK_WORK", {native_dtype: work})
+    for mode, work in (("queries", step_plan.UNIFIED_CHUNK_WORK[native_dtype]), ("sdpa", 0)):
+        monkeypatch.setattr(step_plan, "UNIFIED_CHUNK_WORK", {native_dtype: work})
         with_prefills.clear()
         outputs[mode] = llm.generate(prompts, params, use_tqdm=False)
         assert with_prefills == [mode == "sdpa"]
