@@ -11,6 +11,15 @@ _SEEDS = range(-2**63, 2**63 - 2**16)  # torch takes 64-bit seeds; sample i draw
 _CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object")
 
 
+class ParamError(ValueError):
+    """A request parameter's bad value. ``param`` names it (None: the prompt itself), so that
+    the server's 400 names the field without reading the message."""
+
+    def __init__(self, param: str | None, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
 @dataclass(frozen=True)
 class StructuredOutputsParams:
     """One constraint on a request's output, as vLLM's ``StructuredOutputsParams``: a JSON
@@ -32,23 +41,27 @@ class StructuredOutputsParams:
     def __post_init__(self) -> None:
         given = self._given()
         if len(given) != 1:
-            raise ValueError(f"structured_outputs needs exactly one of json, regex, choice, "
-                             f"grammar or json_object, got {given or 'none'}")
+            raise ParamError("structured_outputs", "structured_outputs needs exactly one of json, "
+                             f"regex, choice, grammar or json_object, got {given or 'none'}")
         if isinstance(self.json, str):
             try:
                 object.__setattr__(self, "json", json.loads(self.json))
             except ValueError as e:
-                raise ValueError(f"structured_outputs json is not valid JSON: {e}") from e
+                raise ParamError("structured_outputs",
+                                 f"structured_outputs json is not valid JSON: {e}") from e
         if self.json is not None and not isinstance(self.json, (dict, bool)):
-            raise ValueError("structured_outputs json must be a JSON schema (an object)")
+            raise ParamError("structured_outputs",
+                             "structured_outputs json must be a JSON schema (an object)")
         if self.choice is not None:
             if not self.choice or not all(isinstance(c, str) and c for c in self.choice):
-                raise ValueError("structured_outputs choice must be a list of non-empty strings")
+                raise ParamError("structured_outputs",
+                                 "structured_outputs choice must be a list of non-empty strings")
             object.__setattr__(self, "choice", tuple(self.choice))
         for name in ("regex", "grammar"):
             value = getattr(self, name)
             if value is not None and not (isinstance(value, str) and value):
-                raise ValueError(f"structured_outputs {name} must be a non-empty string")
+                raise ParamError("structured_outputs",
+                                 f"structured_outputs {name} must be a non-empty string")
 
     def _given(self) -> list[str]:
         return [k for k in _CONSTRAINTS if getattr(self, k) not in (None, False)]
@@ -115,7 +128,7 @@ class SamplingParams:
     def _validate(self) -> None:
         def check(ok: bool, name: str, why: str) -> None:
             if not ok:
-                raise ValueError(f"{name} {why}, got {getattr(self, name)!r}")
+                raise ParamError(name, f"{name} {why}, got {getattr(self, name)!r}")
 
         check(isinstance(self.n, int) and self.n >= 1, "n", "must be an integer >= 1")
         check(self.temperature >= 0, "temperature", "must be >= 0")

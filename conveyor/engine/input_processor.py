@@ -10,7 +10,7 @@ import jinja2
 import transformers
 
 from conveyor.core.grammar import GrammarCompiler
-from conveyor.sampling_params import SamplingParams
+from conveyor.sampling_params import ParamError, SamplingParams
 
 logger = logging.getLogger("conveyor")
 
@@ -46,10 +46,12 @@ def render_chat(tokenizer, model_name: str, messages: list[dict],
     the model continues its text (a prefilled answer), as vLLM and transformers do."""
     clash = sorted(set(template_kwargs or {}) & _TEMPLATE_ARGUMENTS)
     if clash:
-        raise ValueError(f"chat_template_kwargs may not set {', '.join(clash)}")
+        raise ParamError("chat_template_kwargs",
+                         f"chat_template_kwargs may not set {', '.join(clash)}")
     if continue_final_message and add_generation_prompt:
-        raise ValueError("continue_final_message needs add_generation_prompt to be false: the "
-                         "last message is continued, not answered")
+        raise ParamError("continue_final_message", "continue_final_message needs "
+                         "add_generation_prompt to be false: the last message is continued, "
+                         "not answered")
     try:
         return tokenizer.apply_chat_template(
             messages, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt,
@@ -109,17 +111,17 @@ class InputProcessor:
         if any(t < 0 or t >= vocab for t in ids):
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
         if any(t >= vocab for t in params.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be in [0, {vocab})")
+            raise ParamError("stop_token_ids", f"stop_token_ids must be in [0, {vocab})")
         if any(t >= vocab for t in params.logit_bias or {}):
-            raise ValueError(f"logit_bias token ids must be in [0, {vocab})")
+            raise ParamError("logit_bias", f"logit_bias token ids must be in [0, {vocab})")
         if len(ids) + params.max_tokens > self.max_model_len:
-            raise ValueError(
-                f"prompt ({len(ids)} tokens) plus max_tokens ({params.max_tokens}) exceeds "
+            raise ParamError(  # (the server names its own length limit's field)
+                "max_tokens", f"prompt ({len(ids)} tokens) plus max_tokens ({params.max_tokens}) exceeds "
                 f"max_model_len ({self.max_model_len})")
         capacity = self.kv_capacity
         if params.n > 1 and params.n * (len(ids) + params.max_tokens) > capacity:
-            raise ValueError(
-                f"n ({params.n}) x (prompt ({len(ids)} tokens) + max_tokens "
+            raise ParamError(
+                "n", f"n ({params.n}) x (prompt ({len(ids)} tokens) + max_tokens "
                 f"({params.max_tokens})) exceeds what the KV pool can ever hold ({capacity} "
                 f"tokens)")
         if params.structured_outputs is not None:

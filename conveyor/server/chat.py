@@ -68,9 +68,7 @@ async def create_chat_completion(body: ChatCompletionRequest, raw: Request,
                                                       body.chat_template_kwargs,
                                                       body.continue_final_message)
     except ValueError as e:
-        param = next((p for p in ("chat_template_kwargs", "continue_final_message")
-                      if str(e).startswith(p)), "messages")
-        raise bad_request(str(e), param) from e
+        raise bad_request(str(e), getattr(e, "param", None) or "messages") from e
     max_tokens = body.max_completion_tokens or body.max_tokens
     limit_param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
     if max_tokens is None:  # as much as the context leaves, as vLLM does

@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from conveyor.engine.engine import StepRecord
 from conveyor.outputs import RequestOutput
-from conveyor.sampling_params import SamplingParams, StructuredOutputsParams
+from conveyor.sampling_params import ParamError, SamplingParams, StructuredOutputsParams
 
 
 logger = logging.getLogger("conveyor.server")
@@ -91,15 +91,14 @@ NOT_IMPLEMENTED: dict[str, tuple] = {
 }
 
 
-class UnimplementedField(ValueError):
+class UnimplementedField(ParamError):
     """A request field this server does not implement (``param``: its name, for the 400);
     ``why``: the message, where more can be said than that."""
 
     def __init__(self, param: str, value: Any, why: str | None = None) -> None:
         # (reprlib: a value nested thousands deep is no RecursionError)
-        super().__init__(why or f"{param} is not implemented by this server (got "
-                                f"{reprlib.repr(value)})")
-        self.param = param
+        super().__init__(param, why or f"{param} is not implemented by this server (got "
+                                       f"{reprlib.repr(value)})")
 
 
 def refuse_unimplemented(data: Any, table: dict[str, tuple], fields: Iterable[str] = (),
@@ -188,7 +187,8 @@ class SamplingFields(BaseModel):
             given.append(("response_format", {"json_object": True}))
         elif rf is not None and rf.type == "json_schema":
             if rf.json_schema is None:
-                raise ValueError("response_format of type json_schema needs json_schema")
+                raise ParamError("response_format",
+                                 "response_format of type json_schema needs json_schema")
             schema = rf.json_schema.schema_
             given.append(("response_format", {"json": schema} if schema is not None
                           else {"json_object": True}))
@@ -204,13 +204,13 @@ class SamplingFields(BaseModel):
         if not given:
             return None
         if len(given) > 1:
-            raise ValueError(f"{given[1][0]} cannot be combined with {given[0][0]}: give one "
-                             f"constraint on the output")
+            raise ParamError(given[1][0], f"{given[1][0]} cannot be combined with "
+                             f"{given[0][0]}: give one constraint on the output")
         name, spec = given[0]
         try:
             return StructuredOutputsParams(**spec), name
         except (TypeError, ValueError) as e:
-            raise ValueError(f"{name}: {e}") from e
+            raise ParamError(name, f"{name}: {e}") from e
 
     def sampling_params(self, max_tokens: int, logprobs: int | None,
                         structured: StructuredOutputsParams | None = None) -> SamplingParams:

@@ -57,8 +57,8 @@ class ServerState:
         try:
             found = body.constraint(tools)
             params = body.sampling_params(max_tokens, logprobs, found and found[0])
-        except ValueError as e:  # the message starts with the parameter's name
-            name = str(e).split(" ", 1)[0].rstrip(":")
+        except ValueError as e:
+            name = getattr(e, "param", None)  # (a ParamError's; SamplingParams' own names)
             raise bad_request(str(e), name if name in type(body).model_fields else None) from e
         if found is not None:
             try:
@@ -74,13 +74,8 @@ class ServerState:
         try:
             return self.engine.check_request(prompt, params)
         except ValueError as e:
-            message = str(e)
-            name = ("n" if message.startswith("n (") else
-                    limit_param if "max_model_len" in message else
-                    message.split(" ", 1)[0] if message.startswith(("logit_bias",
-                                                                     "stop_token_ids"))
-                    else param)
-            raise bad_request(message, name) from e
+            name = getattr(e, "param", None) or param  # (None: the prompt's own fault)
+            raise bad_request(str(e), limit_param if name == "max_tokens" else name) from e
 
     def submit(self, prefix: str, prompts: list[list[int]], params: SamplingParams,
                priority: int = 0, timeout: float | None = None) -> tuple[str, Submission]:
