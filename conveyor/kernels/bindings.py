@@ -14,15 +14,13 @@ import torch
 import torch.nn.functional as F
 
 from conveyor.kernels.blocks import BLOCK_TYPES, DENSE_TYPES, WIDE_SCALARS, QuantizedWeight
+from conveyor.kernels.signatures import bind
 
 SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
-p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 
 
-def entry(lib: ctypes.CDLL, name: str, dtype: torch.dtype, argtypes: list, restype=None):
-    fn = getattr(lib, f"{name}_{SUFFIX[dtype]}")
-    fn.argtypes, fn.restype = argtypes, restype
-    return fn
+def entry(lib: ctypes.CDLL, name: str, dtype: torch.dtype):
+    return bind(lib, f"{name}_{SUFFIX[dtype]}")
 
 
 def has_entry(lib: ctypes.CDLL, name: str, dtype: torch.dtype) -> bool:
@@ -34,9 +32,7 @@ class DecodeKernel:
 
     def __init__(self, lib: ctypes.CDLL, dtype: torch.dtype) -> None:
         self.dtype = dtype
-        self._fn = entry(lib, "paged_decode_attention", dtype,
-                         [p, i64, p, p, p, i64, p, p, i64, i32, i32, i32, i32, i32, f32, i32,
-                          f32, i32], i32)
+        self._fn = entry(lib, "paged_decode_attention", dtype)
 
     def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  block_tables: torch.Tensor, context_lens: torch.Tensor,
@@ -70,7 +66,7 @@ class AddRMSNorm:
 
     def __init__(self, lib: ctypes.CDLL, dtype: torch.dtype) -> None:
         self.dtype = dtype
-        self._fn = entry(lib, "add_rms_norm", dtype, [p, i64, p, p, p, i64, i32, i32, f32, i32])
+        self._fn = entry(lib, "add_rms_norm", dtype)
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
                  eps: float) -> torch.Tensor:
@@ -100,7 +96,7 @@ class GatedMul:
     def __init__(self, lib: ctypes.CDLL, dtype: torch.dtype, act: str) -> None:
         self.dtype = dtype
         self.act = act
-        self._fn = entry(lib, GLU_KERNELS[act], dtype, [p, i64, i32, i32, i32])
+        self._fn = entry(lib, GLU_KERNELS[act], dtype)
 
     def __call__(self, gate_up: torch.Tensor) -> torch.Tensor:
         """gate_up: [rows, 2 * inter], each row's gate then up; overwritten. Returns the
@@ -115,9 +111,7 @@ class ArgmaxRows:
     """Each row's first maximum of float32 logits, as ``argmax(dim=-1)``."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
-        fn = lib.argmax_rows
-        fn.argtypes, fn.restype = [p, i64, i32, i64, p, i32], None
-        self._fn = fn
+        self._fn = bind(lib, "argmax_rows")
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x: [rows, cols] float32 (rows may be strided), on the CPU. Returns [rows] int64."""
@@ -133,9 +127,7 @@ class SampleRows:
     (``csrc/generic/sample.c``)."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
-        fn = lib.sample_rows
-        fn.argtypes, fn.restype = [p, i64, i32, i64, p, p, p, p, p, p, i32], i32
-        self._fn = fn
+        self._fn = bind(lib, "sample_rows")
 
     def __call__(self, x: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
                  top_p: torch.Tensor, min_p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
@@ -160,8 +152,7 @@ class RopeKVWrite:
 
     def __init__(self, lib: ctypes.CDLL, dtype: torch.dtype) -> None:
         self.dtype = dtype
-        self._fn = entry(lib, "rope_kv_write", dtype,
-                         [p, i64, p, i64, p, p, i64, p, p, p, i32, i32, i32, i32, i32])
+        self._fn = entry(lib, "rope_kv_write", dtype)
 
     def __call__(self, qk: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                  slots: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
@@ -187,7 +178,7 @@ class DequantRows:
 
     def __init__(self, lib: ctypes.CDLL, dtype: torch.dtype) -> None:
         self.dtype = dtype
-        self._fn = entry(lib, "dequant_rows", dtype, [p, i64, i32, p, i32, i32, p, i64, i32], i32)
+        self._fn = entry(lib, "dequant_rows", dtype)
 
     def __call__(self, weight: QuantizedWeight, ids: torch.Tensor) -> torch.Tensor:
         """ids: [n] int64 row numbers (in range: the engine checks token ids). Returns
@@ -221,9 +212,8 @@ class QuantLinear:
 
     def __init__(self, lib: ctypes.CDLL, dtype: torch.dtype) -> None:
         self.dtype = dtype
-        self._fn = entry(lib, "quant_linear", dtype,
-                         [p, i64, p, i64, i32, p, p, i64, i32, i32, i32, i32], i32)
-        self.amx = dtype == torch.bfloat16 and bool(lib.has_amx())
+        self._fn = entry(lib, "quant_linear", dtype)
+        self.amx = dtype == torch.bfloat16 and bool(bind(lib, "has_amx")())
         # the bfloat16 kernels read Q4_0, Q4_1 and Q8_0 with their scalars widened
         self.wide = dtype == torch.bfloat16
         # the float32 kernels read every block type and dense rows; the bfloat16 ones the
@@ -291,8 +281,7 @@ class IntQuantLinear(QuantLinear):
     def __init__(self, lib: ctypes.CDLL, dtype: torch.dtype, mode: str) -> None:
         super().__init__(lib, dtype)
         self.mode, self.levels, self.int_rows = mode, self.LEVELS[mode], self.INT_ROWS[mode]
-        self._int_fn = entry(lib, "quant_linear_int", dtype,
-                             [p, i64, p, i64, i32, p, p, i64, i32, i32, i32, i32, i32], i32)
+        self._int_fn = entry(lib, "quant_linear_int", dtype)
 
     def _call(self, x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None,
               y: torch.Tensor) -> None:
@@ -369,8 +358,7 @@ class DecodeStack:
                  act: str = "silu", levels: int = 0, int_rows: int = 0) -> None:
         self.dtype = dtype
         self.max_rows = max_rows
-        self._fn = entry(lib, "decode_stack", dtype,
-                         [p, i32, p, p, p, i32, p, p, p, p, i64, p, p, i32], i32)
+        self._fn = entry(lib, "decode_stack", dtype)
 
         def matrix(runs: tuple[QuantizedWeight, ...]) -> _Matrix:
             assert 1 <= len(runs) <= _Matrix.MAX_RUNS

@@ -18,6 +18,7 @@ from conveyor.kernels.bindings import (GLU_KERNELS, AddRMSNorm, ArgmaxRows, Deco
                                        DecodeStack, DequantRows, GatedMul, IntQuantLinear,
                                        QuantLinear, RopeKVWrite, SampleRows, StackLayer,
                                        has_entry)
+from conveyor.kernels.signatures import bind
 
 logger = logging.getLogger("conveyor")
 
@@ -136,6 +137,4 @@ def fma_peak(threads: int) -> float | None:
     lib = load_library(isa.current().tier)
     if lib is None:
         return None
-    fn = lib.fma_peak_gflops
-    fn.argtypes, fn.restype = [ctypes.c_int, ctypes.c_double, ctypes.c_int], ctypes.c_double
-    return fn(threads, 0.25, 5)
+    return bind(lib, "fma_peak_gflops")(threads, 0.25, 5)

@@ -7,6 +7,8 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+
+#include "kernels.h"
 #ifdef _OPENMP
 #include <omp.h>
 #endif

@@ -14,30 +14,7 @@
 
 #include "common.h"
 
-#define KERNELS(T) \
-int quant_linear_##T(const void *x, int64_t x_stride, const uint8_t *w, int64_t row_bytes, \
-                     int type, const void *bias, void *y, int64_t y_stride, int rows, int n, \
-                     int k, int threads); \
-int quant_linear_int_##T(const void *x, int64_t x_stride, const uint8_t *w, int64_t row_bytes, \
-                         int type, const void *bias, void *y, int64_t y_stride, int rows, int n, \
-                         int k, int levels, int threads); \
-void add_rms_norm_##T(const void *x, int64_t x_stride, void *residual, const void *weight, \
-                      void *out, int64_t out_stride, int rows, int dim, float eps, int threads); \
-void silu_mul_##T(void *gu, int64_t stride, int rows, int inter, int threads); \
-void gelu_tanh_mul_##T(void *gu, int64_t stride, int rows, int inter, int threads); \
-void rope_kv_write_##T(void *qk, int64_t qk_stride, const void *v, int64_t v_stride, \
-                       const void *cos, const void *sin, int64_t cs_stride, \
-                       const int64_t *slots, void *k_cache, void *v_cache, int tokens, \
-                       int heads, int kv_heads, int dim, int threads); \
-int paged_decode_attention_##T(const void *q, int64_t q_stride, const void *k_cache, \
-                               const void *v_cache, const int32_t *block_tables, \
-                               int64_t table_stride, const int32_t *context_lens, void *out, \
-                               int64_t out_stride, int n, int num_heads, int num_kv_heads, \
-                               int head_dim, int block_size, float scale, int window, \
-                               float cap, int threads);
-KERNELS(f32)
 #if CONVEYOR_AVX512_BF16
-KERNELS(bf16)
 #define BY_DTYPE(name, ...) (bf16 ? name##_bf16(__VA_ARGS__) : name##_f32(__VA_ARGS__))
 #else
 #define BY_DTYPE(name, ...) name##_f32(__VA_ARGS__)
@@ -59,7 +36,7 @@ typedef struct {
     int32_t runs;
 } Matrix;
 
-typedef struct {
+typedef struct Layer {
     const void *attention_norm, *ffn_norm;  /* [hidden] */
     Matrix wqkv, wo, w13, w2;
     const void *qkv_bias;                   /* [qkv] or NULL */
@@ -70,7 +47,7 @@ typedef struct {
     const void *post_attention_norm, *post_ffn_norm;  /* [hidden] or NULL */
 } Layer;
 
-typedef struct {
+typedef struct Shape {
     int hidden, heads, kv_heads, dim, intermediate, block_size;
     float eps, scale, softcap;              /* softcap: the scores'; 0: none */
     int gelu;                               /* the gate's activation: 0 SiLU, 1 GELU (tanh) */

@@ -32,7 +32,6 @@
 
 #define TILE 16
 
-int has_amx(void);  /* quant_linear_bf16.c: AMX built, allowed by the OS, and not switched off */
 
 /* With AMX (configure_tiles, common.h), the scores take tiles 0, a tile's scores (16 tokens x 16
  * query heads, float32); 1, 32 dimensions of 16 cached K rows (bfloat16); 2, the same dimensions

@@ -26,8 +26,6 @@
 #error "built for the avx512 and amx tiers only (AVX-512 F and BF16)"
 #endif
 
-int has_amx(void);
-
 #define MAX_ROWS 8
 /* Up to this many rows the FMA kernel runs even where AMX is on: on a 1024 x 4096 matrix (one
  * thread, the two builds alternated) it took 0.73x AMX's time at 2 rows and tied at 3 in Q4_K,

@@ -8,6 +8,8 @@
 #include <math.h>
 #include <stdint.h>
 
+#include "kernels.h"
+
 static int64_t row_argmax(const float *x, int64_t cols) {
     float top = -INFINITY;
     for (int64_t i = 0; i < cols; i++) top = x[i] > top ? x[i] : top;

@@ -18,6 +18,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "kernels.h"
+
 #define CHUNK 1024 /* tokens a partial sum covers */
 
 /* p[i] = exp((x[i] - top) * inv_t), 0 for masked logits, in one vectorised pass; the sums of
