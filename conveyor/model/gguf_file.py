@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import re
 from collections.abc import Iterable
 from functools import partial
