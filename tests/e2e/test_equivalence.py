@@ -51,8 +51,8 @@ def on_path(monkeypatch):
 @pytest.mark.parametrize("path,policy", PATHS)
 def test_default_gguf_matches_transformers(default_gguf_path, on_path, path, policy):
     on_path(path)
-    # The plain-C and PyTorch paths take 3-10x the fast tiers' time: half the prompts there.
-    check_model("gguf", default_gguf_path, policy, 2 if path in ("generic", "pytorch") else 1)
+    # The plain-C and PyTorch paths take 3-20x the fast tiers' time: a quarter of the prompts.
+    check_model("gguf", default_gguf_path, policy, 4 if path in ("generic", "pytorch") else 1)
 
 
 @pytest.mark.slow
@@ -61,6 +61,7 @@ def test_default_gguf_matches_transformers(default_gguf_path, on_path, path, pol
 def test_default_gguf_bf16_first_tokens_match_transformers(default_gguf_path, max_num_seqs):
     """Alone, the CPU path reads the layers' linears from the GGUF's blocks (QuantLinear)."""
     prompts, refs = reference("gguf", default_gguf_path, "bfloat16", BF16_TOKENS)
+    prompts, refs = prompts[::2], refs[::2]  # (transformers' bfloat16 on the CPU is slow)
     outputs = run_conveyor(None, prompts, "continuous", "bfloat16", BF16_TOKENS, max_num_seqs)
     identical = [compare(o.outputs[0].token_ids, *ref, BF16_TIE) for o, ref in zip(outputs, refs)]
     print(f"bf16, {max_num_seqs} at once: {sum(identical)}/{len(identical)} identical over "
@@ -122,15 +123,16 @@ def tiny_paths(tmp_path_factory):
     return paths
 
 
-# The tiers below this CPU's own (each kernel of which test_cpu_kernels checks against PyTorch)
-# run the checkpoints that reach every kind of kernel call: float32, bfloat16 and float16 rows,
-# q/k norms and a head_dim of its own, partial rotary, windows with a local rope, soft caps;
-# this CPU's tier, the PyTorch path and the static policy run them all.
+# A cross, not a product. Every checkpoint runs on this CPU's tier and on the PyTorch path. The
+# tiers below (each kernel of which test_cpu_kernels checks against PyTorch) run the checkpoints
+# that reach every kind of kernel call: float32, bfloat16 and float16 rows, q/k norms and a
+# head_dim of its own, partial rotary, windows with a local rope, soft caps. The static policy,
+# a scheduling matter, runs on the GGUF models (above and below), not on each checkpoint.
 LOWER_TIERS_TINY = ("llama", "llama-bf16", "qwen2-fp16", "qwen3", "phi3-partial-longrope",
                     "phi3-longrope-switch", "gemma2", "gemma3")
 TINY_RUNS = [pytest.param(name, *path.values, id=f"{name}-{path.id}") for name in TINY
-             for path in PATHS if path.values[0] in (NATIVE, "pytorch")
-             or name in LOWER_TIERS_TINY]
+             for path in PATHS if path.values[1] == "continuous"
+             and (path.values[0] in (NATIVE, "pytorch") or name in LOWER_TIERS_TINY)]
 
 
 @pytest.mark.parametrize("name,path,policy", TINY_RUNS)

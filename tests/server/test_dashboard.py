@@ -166,7 +166,7 @@ def test_dashboard_follows_a_continuous_burst(browser, screenshot_dir):
     server = ServerProcess("--max-num-seqs", "8")
     try:
         server.wait_ready()
-        page = run_burst_and_check(browser, server, [8 + 7 * (i % 8) for i in range(32)])
+        page = run_burst_and_check(browser, server, [8 + 7 * (i % 8) for i in range(16)])
         # continuous batching refills a freed seat at the next step
         assert float(page.get_attribute("#idle-waiting", "data-value")) < 0.1
         page.select_option("#window", "fit")

@@ -282,10 +282,10 @@ async def complete_all(server, model: str, prompts: list[list[int]]) -> list[str
     return [o.choices[0].text for o in outs]
 
 
-@pytest.mark.parametrize("policy", ["continuous", "static"])
-def test_two_replicas_answer_as_one_engine(tiny_llama, one_engine, policy):
-    """(The continuous policy's server then checks prefix routing and a replica's death.)"""
-    with running_server("--model", tiny_llama, *ENGINE, "--policy", policy, "-dp", "2") as srv:
+def test_two_replicas_answer_as_one_engine(tiny_llama, one_engine):
+    """(The server then checks prefix routing and a replica's death. The front routes alike
+    under either policy: the static one is each engine's own, tested with the engine.)"""
+    with running_server("--model", tiny_llama, *ENGINE, "-dp", "2") as srv:
         version = httpx.get(f"{srv.base_url}/version").json()
         assert version["data_parallel_size"] == 2
         model = httpx.get(f"{srv.base_url}/v1/models").json()["data"][0]["id"]
@@ -297,9 +297,8 @@ def test_two_replicas_answer_as_one_engine(tiny_llama, one_engine, policy):
         assert sum(per_replica(srv, "conveyor:num_preemptions_total").values()) > 0
         routed = per_replica(srv, "conveyor:dp_routed_requests_total")
         assert routed == served
-        if policy == "continuous":
-            shared_prefix_goes_where_its_pages_are(srv, model, routed)
-            a_dead_replica_ends_the_front(srv)
+        shared_prefix_goes_where_its_pages_are(srv, model, routed)
+        a_dead_replica_ends_the_front(srv)
 
 
 def shared_prefix_goes_where_its_pages_are(srv, model: str, routed: dict[str, float]) -> None:

@@ -123,9 +123,9 @@ def test_default_gguf_two_ranks_equal_one(default_prompts, one_rank, policy):
     assert tokens(two) == one_rank
 
 
-# (each policy on two of them: a 2-rank engine takes ~8 s to start here)
-@pytest.mark.parametrize("arch,policy", [("llama", "continuous"), ("llama", "static"),
-                                         ("qwen2", "continuous"), ("qwen3", "static")])
+# (each policy on one of them: a 2-rank engine takes ~5 s to start here; the default GGUF
+# above runs both)
+@pytest.mark.parametrize("arch,policy", [("qwen2", "continuous"), ("qwen3", "static")])
 def test_tiny_checkpoints_two_ranks_equal_one(tiny_checkpoint, arch, policy):
     path = tiny_checkpoint(arch)
     prompts = random_prompts(256)
