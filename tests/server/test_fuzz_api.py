@@ -59,7 +59,7 @@ SERVER_ARGS = ["--max-model-len", str(MAX_MODEL_LEN), "--num-kv-blocks", "256", 
 TOKEN_CAP = 8  # accepted bodies asking for more are lowered to these (see cap_generation)
 N_CAP = 4
 # The fuzzing phase's examples per operation; the examples and coverage phases add their own.
-MAX_EXAMPLES = int(os.environ.get("CONVEYOR_FUZZ_EXAMPLES", "15"))
+MAX_EXAMPLES = int(os.environ.get("CONVEYOR_FUZZ_EXAMPLES", "30"))
 SEED = int(os.environ.get("CONVEYOR_FUZZ_SEED") or random.getrandbits(32))
 REQUEST_TIMEOUT_S = 120.0
 
