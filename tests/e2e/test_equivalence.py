@@ -61,7 +61,6 @@ def test_default_gguf_matches_transformers(default_gguf_path, on_path, path, pol
 def test_default_gguf_bf16_first_tokens_match_transformers(default_gguf_path, max_num_seqs):
     """Alone, the CPU path reads the layers' linears from the GGUF's blocks (QuantLinear)."""
     prompts, refs = reference("gguf", default_gguf_path, "bfloat16", BF16_TOKENS)
-    prompts, refs = prompts[::2], refs[::2]  # (transformers' bfloat16 on the CPU is slow)
     outputs = run_conveyor(None, prompts, "continuous", "bfloat16", BF16_TOKENS, max_num_seqs)
     identical = [compare(o.outputs[0].token_ids, *ref, BF16_TIE) for o, ref in zip(outputs, refs)]
     print(f"bf16, {max_num_seqs} at once: {sum(identical)}/{len(identical)} identical over "
