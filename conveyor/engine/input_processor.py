@@ -116,8 +116,8 @@ class InputProcessor:
             raise ParamError("logit_bias", f"logit_bias token ids must be in [0, {vocab})")
         if len(ids) + params.max_tokens > self.max_model_len:
             raise ParamError(  # (the server names its own length limit's field)
-                "max_tokens", f"prompt ({len(ids)} tokens) plus max_tokens ({params.max_tokens}) exceeds "
-                f"max_model_len ({self.max_model_len})")
+                "max_tokens", f"prompt ({len(ids)} tokens) plus max_tokens "
+                f"({params.max_tokens}) exceeds max_model_len ({self.max_model_len})")
         capacity = self.kv_capacity
         if params.n > 1 and params.n * (len(ids) + params.max_tokens) > capacity:
             raise ParamError(

@@ -71,8 +71,6 @@ class ModelRunner:
             head_rows = len(shard.vocab)
         self.config = config
         self.device = device
-        self.dtype = dtype
-        self.block_size = block_size
         kernels = cpu_kernels(device, dtype, config.head_dim, activation_quant)
         if kernels is None and activation_quant != "none":
             raise ValueError(f"activation_quant {activation_quant} needs the CPU kernels, which "
@@ -96,10 +94,11 @@ class ModelRunner:
         # (the kernel rotates whole heads)
         self.rope_kv_write = (kernels.rope_kv_write if kernels is not None
                               and config.rotary_dim is None else None)
+        stack = self.model.decode_stack
         self.planner = StepPlanner(
             block_size, dtype, max_model_len, longrope_switch(config, max_model_len),
             one_decode_group=self.decode_kernel is not None,
-            stack_rows=None if self.model.decode_stack is None else self.model.decode_stack.max_rows)
+            stack_rows=None if stack is None else stack.max_rows)
         self._bitmask = BatchBitmask()
         self._bitmask_thread = ThreadPoolExecutor(1, thread_name_prefix="conveyor-bitmask")
 

@@ -23,6 +23,7 @@ UNIFIED_CHUNK_WORK = {torch.bfloat16: 256 * 257 // 2, torch.float32: 512 * 513 /
 DECODE_GROUP_GROWTH = 2.0
 MIN_DECODE_GROUP = 4
 
+
 def group_decodes(decodes: list[Request]) -> list[list[Request]]:
     """Single-token queries sorted by context pages, in runs of similar length."""
     groups: list[list[Request]] = []
