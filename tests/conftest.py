@@ -11,6 +11,11 @@ import openai
 import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests must never reach the Hugging Face hub
+# `make test` runs a pytest-xdist worker per core (docs/testing.md): each worker, and every
+# server or rank it starts, computes on one thread, or the workers' thread teams would fight
+# over the cores. (Before torch is imported, which reads it once.)
+if "PYTEST_XDIST_WORKER" in os.environ:
+    os.environ["OMP_NUM_THREADS"] = "1"
 sys.path.insert(0, os.path.dirname(__file__))  # lets test files `from tiny_models import ...`
 
 from tiny_models import make_tiny_checkpoint  # noqa: E402
