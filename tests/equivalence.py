@@ -3,6 +3,7 @@ tests that compare Conveyor with itself (2 ranks against 1, replicas against one
 
 from __future__ import annotations
 
+import copy
 import functools
 import os
 import random
@@ -54,20 +55,31 @@ def hf_greedy(model, prompt: list[int], new_tokens: int) -> tuple[list[int], lis
 
 
 @functools.lru_cache(maxsize=None)
+def hf_model(kind: str, path: str) -> transformers.PreTrainedModel:
+    """transformers' float32 model of the file or folder, loaded once (a GGUF's dequantizing
+    takes seconds); the other dtypes' references cast a copy of it."""
+    if kind.endswith("gguf"):
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32)
+    else:
+        model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    return model.eval()
+
+
+@functools.lru_cache(maxsize=None)
 def reference(kind: str, path: str, dtype: str = "float32", new_tokens: int = NEW_TOKENS
               ) -> tuple[list[list[int]], list[tuple[list[int], list[float]]]]:
     """kind: "gguf" (the default model, text prompts), "tiny-gguf" or "hf" (random prompts)."""
-    if kind.endswith("gguf"):
-        model = transformers.AutoModelForCausalLM.from_pretrained(
-            os.path.dirname(path), gguf_file=os.path.basename(path), dtype=getattr(torch, dtype))
-    else:
-        model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    model = hf_model(kind, path)
+    if dtype != "float32":  # the weights cast, the buffers (rope's frequencies) kept, as
+        model = copy.deepcopy(model)  # from_pretrained(dtype=...) gives them
+        for weight in model.parameters():
+            weight.data = weight.data.to(getattr(torch, dtype))
     if kind == "gguf":
         prompts = text_prompts(transformers.AutoTokenizer.from_pretrained(
             os.path.dirname(path), gguf_file=os.path.basename(path)))
     else:
         prompts = random_prompts(model.config.vocab_size)
-    model.eval()
     return prompts, [hf_greedy(model, p, new_tokens) for p in prompts]
 
 
