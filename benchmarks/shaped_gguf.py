@@ -110,7 +110,7 @@ def tensors(shape: Shape, vocab: int) -> list[tuple[str, tuple[int, ...]]]:
 def vocabulary_file(family: str, folder: str) -> str:
     """A GGUF of the family's tokenizer alone, as llama.cpp's converter writes it."""
     hf = converted_ggufs.write_hf_folder(family, converted_ggufs.Path(folder))
-    return str(converted_ggufs.convert(hf, hf / "vocab.gguf", vocab_only=True))
+    return str(converted_ggufs.convert([hf], "vocab.gguf", vocab_only=True)[0])
 
 
 def _copy_tokenizer(writer: gguf.GGUFWriter, source: gguf.GGUFReader) -> int:

@@ -347,16 +347,33 @@ def write_hf_folder(family: str, parent: Path) -> Path:
     return folder
 
 
-def convert(folder: Path, out: Path, vocab_only: bool = False) -> Path:
-    """folder converted by llama.cpp's converter (float32 tensors; or its tokenizer alone), as
-    its users run it."""
-    converter = llama_cpp() / "convert_hf_to_gguf.py"
-    run = subprocess.run([sys.executable, str(converter), str(folder), "--outtype", "f32",
-                          "--outfile", str(out), *["--vocab-only"] * vocab_only],
-                         capture_output=True, text=True)
+# Runs the converter's own main() once per folder (its command line in sys.argv), in one
+# process: its imports (torch, transformers, its gguf-py) are most of a small file's conversion.
+_CONVERT_EACH = """
+import importlib.util, json, os, sys
+sys.path.insert(0, os.path.dirname(sys.argv[1]))  # as when it runs as a script
+spec = importlib.util.spec_from_file_location("convert_hf_to_gguf", sys.argv[1])
+converter = importlib.util.module_from_spec(spec)
+sys.modules[spec.name] = converter
+spec.loader.exec_module(converter)
+for command in json.loads(sys.stdin.read()):
+    print("converting", command[1], file=sys.stderr, flush=True)
+    sys.argv = command
+    converter.main()
+"""
+
+
+def convert(folders: list[Path], name: str, vocab_only: bool = False) -> list[Path]:
+    """Each folder converted by llama.cpp's converter into folder / name (float32 tensors; or
+    its tokenizer alone), with the command line its users run."""
+    converter = str(llama_cpp() / "convert_hf_to_gguf.py")
+    commands = [[converter, str(folder), "--outtype", "f32", "--outfile", str(folder / name),
+                 *["--vocab-only"] * vocab_only] for folder in folders]
+    run = subprocess.run([sys.executable, "-c", _CONVERT_EACH, converter],
+                         input=json.dumps(commands), capture_output=True, text=True)
     if run.returncode:
-        raise RuntimeError(f"convert_hf_to_gguf.py failed on {folder}:\n{run.stderr[-3000:]}")
-    return out
+        raise RuntimeError(f"convert_hf_to_gguf.py failed:\n{run.stderr[-3000:]}")
+    return [folder / name for folder in folders]
 
 
 def hf_tokenizer(folder: Path) -> transformers.PreTrainedTokenizerBase:

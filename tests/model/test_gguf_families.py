@@ -6,8 +6,6 @@ converted from; a chat ends where the family ends a turn."""
 from __future__ import annotations
 
 import functools
-import os
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -40,12 +38,10 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, i
 @pytest.fixture(scope="module")
 def family(tmp_path_factory):
     """family(name) -> (its HF folder, an LLM serving its GGUF), each loaded once; the files
-    are converted all at once, a converter process a core."""
+    are converted all at once."""
     cache = tmp_path_factory.mktemp("tokenizer-cache")
     folders = {name: write_hf_folder(name, tmp_path_factory.mktemp(name)) for name in FAMILIES}
-    with ThreadPoolExecutor(os.cpu_count()) as pool:
-        ggufs = dict(zip(folders, pool.map(lambda f: str(convert(f, f / "model.gguf")),
-                                           folders.values())))
+    ggufs = dict(zip(folders, map(str, convert(list(folders.values()), "model.gguf"))))
 
     @functools.cache
     def load(name: str) -> tuple[Path, LLM]:
