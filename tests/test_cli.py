@@ -1,5 +1,6 @@
 """The `conveyor generate` command: it generates, and bad input is one line on stderr, exit 2;
-`conveyor env` says what this machine gets."""
+`conveyor env` says what this machine gets. What needs a process of its own (a generation, the
+environment it reads, a missing compiler) runs the command; the rest calls its main()."""
 
 from __future__ import annotations
 
@@ -7,12 +8,32 @@ import os
 import subprocess
 import sys
 
+import pytest
+
+from conveyor.cli import main
+
 CLI = [sys.executable, "-m", "conveyor.cli"]
 
 
 def run(*args: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, HF_HUB_OFFLINE="1")
     return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=300, env=env)
+
+
+@pytest.fixture
+def cli(capsys):
+    """cli(*args) -> (exit code, stdout, stderr) of main(args), in this process."""
+
+    def call(*args: str) -> tuple[int, str, str]:
+        try:
+            main(list(args))
+            code = 0
+        except SystemExit as exit_:
+            code = exit_.code if isinstance(exit_.code, int) else 1
+        out, err = capsys.readouterr()
+        return code, out, err
+
+    return call
 
 
 def test_generate_prints_text_and_counts():
@@ -23,13 +44,13 @@ def test_generate_prints_text_and_counts():
     assert "1 requests, 6 tokens" in res.stdout
 
 
-def test_bad_input_is_one_line_and_exit_2():
-    res = run("generate", "--model", "/nowhere/model.gguf")
-    assert res.returncode == 2
-    lines = res.stderr.strip().splitlines()
+def test_bad_input_is_one_line_and_exit_2(cli):
+    code, _, err = cli("generate", "--model", "/nowhere/model.gguf")
+    assert code == 2
+    lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("conveyor: error:") and "/nowhere" in lines[0]
-    res = run("generate", "--num-kv-blocks", "4", "--max-model-len", "4096")
-    assert res.returncode == 2 and "does not fit" in res.stderr
+    code, _, err = cli("generate", "--num-kv-blocks", "4", "--max-model-len", "4096")
+    assert code == 2 and "does not fit" in err
 
 
 def test_env_says_the_tier_dtype_and_kernels():
@@ -63,35 +84,36 @@ def test_without_a_working_compiler_the_pytorch_path_runs(tmp_path):
     assert len(warnings) == 1 and "running plain PyTorch" in warnings[0]
 
 
-def test_version_and_errors_under_the_subcommand():
-    version = run("--version")
-    assert version.returncode == 0 and version.stdout.startswith("conveyor ")
-    unknown = run("serve", "--no-such-flag")
-    assert unknown.returncode == 2 and "unrecognized arguments: --no-such-flag" in unknown.stderr
-    assert "usage: conveyor serve" in unknown.stderr
-    nested = run("bench", "serve", "--no-such-flag")
-    assert nested.returncode == 2 and "usage: conveyor bench serve" in nested.stderr
+def test_version_and_errors_under_the_subcommand(cli):
+    code, out, _ = cli("--version")
+    assert code == 0 and out.startswith("conveyor ")
+    code, _, err = cli("serve", "--no-such-flag")
+    assert code == 2 and "unrecognized arguments: --no-such-flag" in err
+    assert "usage: conveyor serve" in err
+    code, _, err = cli("bench", "serve", "--no-such-flag")
+    assert code == 2 and "usage: conveyor bench serve" in err
 
 
-def test_serve_takes_the_model_as_its_first_argument(tmp_path):
+def test_serve_takes_the_model_as_its_first_argument(tmp_path, cli):
     """As vLLM's `serve MODEL`; the flag stays, and the two may not disagree."""
     from conveyor.cli import build_parser
 
     args = build_parser().parse_args(["serve", "some.gguf", "--port", "9"])
     assert args.model_tag == "some.gguf" and args.model is None
-    twice = run("serve", str(tmp_path / "a.gguf"), "--model", str(tmp_path / "b.gguf"))
-    assert twice.returncode == 2 and "the model is given twice" in twice.stderr
-    missing = run("serve", str(tmp_path / "missing.gguf"))
-    assert missing.returncode == 2 and "missing.gguf" in missing.stderr.splitlines()[-1]
+    code, _, err = cli("serve", str(tmp_path / "a.gguf"), "--model", str(tmp_path / "b.gguf"))
+    assert code == 2 and "the model is given twice" in err
+    code, _, err = cli("serve", str(tmp_path / "missing.gguf"))
+    assert code == 2 and "missing.gguf" in err.splitlines()[-1]
 
 
-def test_bench_without_a_server_is_one_line(tmp_path):
+def test_bench_without_a_server_is_one_line(cli):
     """No server (or a --base-url with the client's /v1, accepted): one line, exit 2."""
     from conveyor.bench.serve import server_url
 
     assert server_url("http://h:1/v1/") == server_url("http://h:1/") == "http://h:1"
-    res = run("bench", "serve", "--base-url", "http://127.0.0.1:9/v1", "--num-prompts", "1")
-    lines = res.stderr.strip().splitlines()
-    assert res.returncode == 2 and len(lines) == 1, res.stderr
+    code, _, err = cli("bench", "serve", "--base-url", "http://127.0.0.1:9/v1",
+                       "--num-prompts", "1")
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1, err
     assert lines[0].startswith("conveyor: error: no OpenAI-compatible server answers at "
                                "http://127.0.0.1:9/v1/models")
