@@ -31,6 +31,20 @@ pytestmark = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc
                                 reason="no C compiler")
 
 RUNNABLE = isa.TIERS[:isa.TIERS.index(isa.current().detected) + 1]
+KERNEL_THREADS = 2
+
+
+@pytest.fixture(autouse=True)
+def two_threads_at_least():
+    """The kernels split their work over threads: they run on two at least here, whatever the
+    test worker's own count (docs/testing.md), so that a split that loses or repeats rows
+    fails."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(max(before, KERNEL_THREADS))
+    yield
+    torch.set_num_threads(before)
+
+
 F32, BF16 = torch.float32, torch.bfloat16
 CASES = [pytest.param(t, F32, id=f"{t}-f32") for t in RUNNABLE] + [
     pytest.param(t, BF16, id=f"{t}-bf16") for t in RUNNABLE if t in isa.BF16_TIERS]
