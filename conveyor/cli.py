@@ -66,7 +66,8 @@ def _env(args: argparse.Namespace) -> None:
     choice = isa.current()
     kernels = cpu_kernels(device, dtype, 64)
     print(f"conveyor {__version__}, torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads")
+          f"{torch.get_num_threads()} threads (fewer while other processes keep cores busy, "
+          f"unless --no-adaptive-threads)")
     print(f"cpu tier: {choice.describe()}")
     print(f"device: {device.type}; dtype {str(dtype).removeprefix('torch.')} "
           f"({config.dtype_reason(None, device)})")

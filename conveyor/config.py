@@ -81,6 +81,9 @@ class EngineConfig:
     seed: int = setting(0, "the sampler's seed for requests without their own")
     device: str | None = setting(None, "cpu or cuda (default: cuda when present)")
     threads: int | None = setting(None, "CPU threads for the model (default: PyTorch's)")
+    adaptive_threads: bool = setting(
+        True, "run on fewer threads while other processes keep cores busy, at most --threads "
+              "(Linux; docs/results/shared-cpu)")
     activation_quant: str = setting(
         "none", "a decode's few rows of the GGUF block linears multiply integer activations, "
                 "each run of 32 inputs scaled to int16 (15 bits) or int8 (llama.cpp's Q8_0 "

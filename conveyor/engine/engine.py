@@ -30,6 +30,7 @@ from conveyor.model.loader import load_model
 from conveyor.model.rope import longrope_switch
 from conveyor.outputs import RequestOutput
 from conveyor.sampling_params import PoolingParams, SamplingParams
+from conveyor.worker.cpu_share import ThreadGovernor, default_threads
 from conveyor.worker.rank import run_worker
 from conveyor.worker.runner import ModelRunner, kv_bytes_per_block
 from conveyor.worker.tensor_parallel import TensorParallel
@@ -76,8 +77,12 @@ class LLMEngine:
         # Workers start first, to load their copy while this rank loads its own.
         self.tensor_parallel = (TensorParallel.start(config, run_worker)
                                 if config.tensor_parallel_size > 1 else None)
-        if config.threads is not None:
-            torch.set_num_threads(config.threads)
+        threads = config.threads or default_threads()
+        torch.set_num_threads(threads)
+        # (tensor-parallel ranks keep their count: they meet at every all-reduce as well)
+        self.governor = (ThreadGovernor(threads)
+                         if config.adaptive_threads and config.tensor_parallel_size == 1
+                         and config.torch_device().type == "cpu" else None)
         try:
             self._load(config, started)
         except BaseException:
@@ -141,9 +146,11 @@ class LLMEngine:
                     self.runner.kernel_path)
 
     def shutdown(self) -> None:
-        """Stop the tensor-parallel workers (a no-op on one rank)."""
+        """Stop the tensor-parallel workers; the thread count back to the configured one."""
         if self.tensor_parallel is not None:
             self.tensor_parallel.close()
+        if self.governor is not None:
+            self.governor.close()
 
     # -- requests ------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: Prompt,
@@ -219,6 +226,8 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """One iteration; returns an output for every request that moved."""
+        if self.governor is not None:
+            self.governor.update()
         start = time.monotonic()
         sched = self.scheduler.schedule(start)
         for victim in sched.preempted:
