@@ -74,6 +74,8 @@ def _env(args: argparse.Namespace) -> None:
     print(f"kernels: {describe(device, dtype, 64, kernels)}; compiler "
           f"{build.compiler() or 'none'}")
     print(f"oneDNN bfloat16 prepacking: {'yes' if can_prepack(device, torch.bfloat16) else 'no'}")
+    print("batch invariance: off unless --batch-invariant"
+          + ("" if kernels is not None else " (which needs the CPU kernels: not here)"))
 
 
 def _serve(args: argparse.Namespace) -> None:

@@ -90,6 +90,10 @@ class EngineConfig:
                 "numerics); VNNI kernels at the avx512/amx tiers, plain C below (slower); "
                 "agreement and speed: docs/results/activation-quant",
         choices=ACTIVATION_QUANTS)
+    batch_invariant: bool = setting(
+        False, "each request's tokens and logprobs the same whatever else is in its batch, "
+               "however its prompt was chunked and whether its prefix came from the cache "
+               "(for evals and reruns; CPU kernels only; cost: docs/results/batch-invariance)")
     quantization: str | None = setting(
         None, "quantize a Hugging Face folder's linears into these GGUF blocks at load",
         choices=QUANTIZATIONS)
@@ -119,6 +123,9 @@ class EngineConfig:
             raise ValueError("give num_kv_blocks or kv_cache_memory, not both")
         if self.kv_cache_memory is not None:
             self.kv_cache_memory = parse_memory(self.kv_cache_memory)
+        if self.batch_invariant and self.activation_quant != "none":
+            raise ValueError("batch_invariant takes float activations: --activation-quant "
+                             "quantizes a step's rows by how many there are")
         cpu = isa.current()
         if (self.dtype == "bfloat16" and self.torch_device().type == "cpu"
                 and not cpu.native_bf16):  # refused before the model loads

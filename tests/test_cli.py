@@ -62,6 +62,7 @@ def test_env_says_the_tier_dtype_and_kernels():
     assert f"cpu tier: {cpu.describe()}" in res.stdout
     assert f"dtype {'bfloat16' if cpu.native_bf16 else 'float32'} (auto:" in res.stdout
     assert f"kernels: C kernels, CPU tier {cpu.tier}" in res.stdout
+    assert "batch invariance: off unless --batch-invariant\n" in res.stdout
     forced = subprocess.run([*CLI, "env"], capture_output=True, text=True, timeout=300,
                             env=dict(os.environ, HF_HUB_OFFLINE="1", CONVEYOR_CPU_ISA="generic"))
     assert "cpu tier: generic (forced by CONVEYOR_CPU_ISA=generic" in forced.stdout
@@ -69,6 +70,7 @@ def test_env_says_the_tier_dtype_and_kernels():
     off = subprocess.run([*CLI, "env"], capture_output=True, text=True, timeout=300,
                          env=dict(os.environ, HF_HUB_OFFLINE="1", CONVEYOR_CPU_KERNELS="off"))
     assert "kernels: plain PyTorch (CONVEYOR_CPU_KERNELS=off)" in off.stdout
+    assert "--batch-invariant (which needs the CPU kernels: not here)" in off.stdout
 
 
 def test_without_a_working_compiler_the_pytorch_path_runs(tmp_path):

@@ -127,7 +127,8 @@ class LLMEngine:
                                      model_len, self.scheduler.kv.num_tokens_capacity,
                                      self.grammars)
         setup = dict(dtype=self.dtype, num_blocks=num_blocks, max_model_len=model_len,
-                     activation_quant=config.activation_quant)
+                     activation_quant=config.activation_quant,
+                     batch_invariant=config.batch_invariant)
         tp = self.tensor_parallel
         if tp is not None:  # the workers build their shards of the same pool
             tp.send(setup)

@@ -210,8 +210,11 @@ class QuantLinear:
     # float32: any number of rows (its own register-blocked products)
     F32_ROWS = 1 << 30
 
-    def __init__(self, lib: ctypes.CDLL, dtype: torch.dtype) -> None:
+    def __init__(self, lib: ctypes.CDLL, dtype: torch.dtype, invariant: bool = False) -> None:
+        """invariant: each row's result the same whatever the other rows (batch invariance):
+        the few-rows kernel, a row's sums in one order, at every row count."""
         self.dtype = dtype
+        self.invariant = invariant
         self._fn = entry(lib, "quant_linear", dtype)
         self.amx = dtype == torch.bfloat16 and bool(bind(lib, "has_amx")())
         # the bfloat16 kernels read Q4_0, Q4_1 and Q8_0 with their scalars widened
@@ -219,9 +222,10 @@ class QuantLinear:
         # the float32 kernels read every block type and dense rows; the bfloat16 ones the
         # block types
         self.types = BLOCK_TYPES - set(DENSE_TYPES.values() if self.wide else ())
-        self.max_rows = (self.F32_ROWS if dtype == torch.float32
+        self.max_rows = (self.F32_ROWS if dtype == torch.float32 or invariant
                          else self.AMX_ROWS if self.amx else self.FMA_ROWS)
-        self._dense_rows = DequantRows(lib, dtype) if self.wide and not self.amx else None
+        self._dense_rows = (DequantRows(lib, dtype) if self.wide and not self.amx
+                            and not invariant else None)
 
     def in_format(self, weight: QuantizedWeight) -> QuantizedWeight:
         """The weight's blocks as this kernel reads them."""
@@ -258,7 +262,8 @@ class QuantLinear:
         rows, k = x.shape
         rc = self._fn(x.data_ptr(), x.stride(0), w.blocks.data_ptr(), w.blocks.stride(0),
                       w.ggml_type, None if bias is None else bias.data_ptr(), y.data_ptr(),
-                      y.stride(0), rows, w.blocks.shape[0], k, torch.get_num_threads())
+                      y.stride(0), rows, w.blocks.shape[0], k, int(self.invariant),
+                      torch.get_num_threads())
         if rc == -2:
             raise MemoryError("quant_linear: no memory for its scratch buffer")
         if rc != 0:
@@ -323,7 +328,8 @@ class _Shape(ctypes.Structure):
     _fields_ = [(name, ctypes.c_int) for name in ("hidden", "heads", "kv_heads", "dim",
                                                     "intermediate", "block_size")] + [
         ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("softcap", ctypes.c_float),
-        ("gelu", ctypes.c_int), ("levels", ctypes.c_int), ("int_rows", ctypes.c_int)]
+        ("gelu", ctypes.c_int), ("levels", ctypes.c_int), ("int_rows", ctypes.c_int),
+        ("invariant", ctypes.c_int)]
 
 
 @dataclass
@@ -350,12 +356,14 @@ class StackLayer:
 class DecodeStack:
     """``decode_stack`` bound to one model's layers: call it with a step's embeddings, up to
     ``max_rows`` (the rows a block-linear call takes). ``levels`` and ``int_rows``: an
-    ``IntQuantLinear``'s, for a step its integer linears take (0: none)."""
+    ``IntQuantLinear``'s, for a step its integer linears take (0: none); ``invariant``: a
+    ``QuantLinear``'s."""
 
     def __init__(self, lib: ctypes.CDLL, dtype: torch.dtype, layers: list[StackLayer], *,
                  max_rows: int, heads: int, kv_heads: int, head_dim: int, intermediate: int,
                  eps: float, scale: float | None = None, softcap: float | None = None,
-                 act: str = "silu", levels: int = 0, int_rows: int = 0) -> None:
+                 act: str = "silu", levels: int = 0, int_rows: int = 0,
+                 invariant: bool = False) -> None:
         self.dtype = dtype
         self.max_rows = max_rows
         self._fn = entry(lib, "decode_stack", dtype)
@@ -388,7 +396,7 @@ class DecodeStack:
         self._shape = _Shape(self.hidden, heads, kv_heads, head_dim, intermediate,
                              layers[0].k_cache.shape[1], eps,
                              head_dim ** -0.5 if scale is None else scale, softcap or 0.0,
-                             int(act == "gelu_pytorch_tanh"), levels, int_rows)
+                             int(act == "gelu_pytorch_tanh"), levels, int_rows, int(invariant))
         # a row's activations between the kernels (decode_stack.c); kept across steps, grown
         # as rows grow
         self._row_width = (2 * self.hidden + (2 * heads + 2 * kv_heads) * head_dim

@@ -46,7 +46,7 @@ class CPUKernels:
         integer = ({"levels": linear.levels, "int_rows": linear.int_rows}
                    if isinstance(linear, IntQuantLinear) else {})
         return DecodeStack(self.lib, self.dtype, layers, max_rows=linear.max_rows, **integer,
-                           **shape)
+                           invariant=linear.invariant, **shape)
 
 
 @functools.cache
@@ -85,17 +85,19 @@ def unavailable(dtype: torch.dtype, head_dim: int, tier: str) -> str | None:
     return None
 
 
-def kernels_at(tier: str, dtype: torch.dtype, head_dim: int, activation_quant: str = "none"
-               ) -> CPUKernels | None:
+def kernels_at(tier: str, dtype: torch.dtype, head_dim: int, activation_quant: str = "none",
+               batch_invariant: bool = False) -> CPUKernels | None:
     """The kernels of ``tier`` (which this CPU must be able to run) for this dtype; the block
-    linears on integer activations unless ``activation_quant`` is "none"."""
+    linears on integer activations unless ``activation_quant`` is "none", each row's result
+    independent of the other rows' where ``batch_invariant``."""
     if unavailable(dtype, head_dim, tier) is not None:
         return None
     lib = load_library(tier)
     if lib is None or not has_entry(lib, "quant_linear", dtype):
         return None
     integer = activation_quant != "none"
-    linear = IntQuantLinear(lib, dtype, activation_quant) if integer else QuantLinear(lib, dtype)
+    linear = (IntQuantLinear(lib, dtype, activation_quant) if integer
+              else QuantLinear(lib, dtype, batch_invariant))
     return CPUKernels(tier, dtype, DecodeKernel(lib, dtype), AddRMSNorm(lib, dtype),
                       {act: GatedMul(lib, dtype, act) for act in GLU_KERNELS},
                       RopeKVWrite(lib, dtype), linear, ArgmaxRows(lib), SampleRows(lib),
@@ -103,7 +105,8 @@ def kernels_at(tier: str, dtype: torch.dtype, head_dim: int, activation_quant: s
 
 
 def cpu_kernels(device: torch.device, dtype: torch.dtype, head_dim: int,
-                activation_quant: str = "none") -> CPUKernels | None:
+                activation_quant: str = "none", batch_invariant: bool = False
+                ) -> CPUKernels | None:
     """The kernels for this process's tier when they apply here (the CPU, float32 at any tier,
     bfloat16 where the tier computes it) and build."""
     if device.type != "cpu":
@@ -113,7 +116,7 @@ def cpu_kernels(device: torch.device, dtype: torch.dtype, head_dim: int,
     if why is not None:
         logger.info("CPU kernels off: %s; the model runs plain PyTorch", why)
         return None
-    return kernels_at(tier, dtype, head_dim, activation_quant)
+    return kernels_at(tier, dtype, head_dim, activation_quant, batch_invariant)
 
 
 def describe(device: torch.device, dtype: torch.dtype, head_dim: int,
@@ -123,8 +126,10 @@ def describe(device: torch.device, dtype: torch.dtype, head_dim: int,
         return f"PyTorch on {device.type}"
     choice = isa.current()
     if kernels is not None:
-        integer = isinstance(kernels.quant_linear, IntQuantLinear)
-        return (f"C kernels{f', {kernels.quant_linear.mode} activations' if integer else ''}, "
+        linear = kernels.quant_linear
+        integer = isinstance(linear, IntQuantLinear)
+        return (f"C kernels{f', {linear.mode} activations' if integer else ''}"
+                f"{', batch invariant' if linear.invariant else ''}, "
                 f"CPU tier {choice.describe()}")
     why = (unavailable(dtype, head_dim, choice.tier)
            or "the kernels did not build (see the warning above)")

@@ -23,17 +23,26 @@ logger = logging.getLogger("conveyor")
 
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
 
+# Batch invariance: the rows of a dense matmul's every call (a decode's one row pays for eight;
+# a dense weight is read whole at any row count)
+INVARIANT_ROWS = 8
+
 
 @torch.no_grad()
 def apply_backend(model: Transformer, weights: dict[str, torch.Tensor],
                   quantized: dict[str, QuantizedWeight], *, dtype: torch.dtype,
                   device: torch.device, kernels: CPUKernels | None, kv_caches: KVCaches,
-                  all_reduce: Callable[[torch.Tensor], None] | None = None) -> None:
+                  all_reduce: Callable[[torch.Tensor], None] | None = None,
+                  batch_invariant: bool = False) -> None:
     """Place the weights in ``model`` (built on the meta device) and attach what runs them:
     the CPU kernels where they apply, the all-reduce of a tensor-parallel shard (which the
-    one-call decode stack cannot make, so it is only used without one)."""
+    one-call decode stack cannot make, so it is only used without one). batch_invariant:
+    dense weights multiply a fixed number of rows a call (the kernels get it from
+    ``cpu_kernels``)."""
     _place_weights(model, weights, quantized, dtype, device, kernels)
     model.eval()
+    if batch_invariant:
+        _use_fixed_shapes(model)
     if all_reduce is not None:
         _use_all_reduce(model, all_reduce)
     if kernels is not None:
@@ -123,6 +132,15 @@ def _place_weights(model: Transformer, weights: dict[str, torch.Tensor],
         logger.info("the %s block linears do not read these types; they run as dense "
                     "weights: %s", str(dtype).removeprefix("torch."), matrices_by_type(unread))
     assert not any(p.is_meta for p in model.parameters()), "a weight was not placed"
+
+
+def _use_fixed_shapes(model: Transformer) -> None:
+    """Every dense matmul on INVARIANT_ROWS rows a call (model.in_pieces)."""
+    for m in model.modules():
+        if isinstance(m, Linear) and m.quant_linear is None:
+            m.rows_a_call = INVARIANT_ROWS
+    if model.output is None and model.head_kernel is None:
+        model.head_rows_a_call = INVARIANT_ROWS
 
 
 def _use_all_reduce(model: Transformer, all_reduce: Callable[[torch.Tensor], None]) -> None:

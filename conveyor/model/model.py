@@ -33,6 +33,8 @@ class Linear(nn.Linear):
     ``F.linear`` (checked in tests/model/test_model_layers.py)."""
 
     packed: torch.Tensor | None = None
+    # batch invariance: a dense weight multiplies this many rows a call (in_pieces)
+    rows_a_call: int | None = None
     # The weight in GGUF blocks: runs of output rows (a fused linear's parts), one call each.
     quantized: tuple[QuantizedWeight, ...] | None = None
     quant_linear: QuantLinear | None = None
@@ -49,6 +51,11 @@ class Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.quant_linear is not None:
             return self.quant_linear(x, self.quantized, self.bias)
+        if self.rows_a_call is not None:
+            return in_pieces(self._dense, x, self.rows_a_call)
+        return self._dense(x)
+
+    def _dense(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is None:
             return F.linear(x, self.weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
@@ -84,6 +91,18 @@ class RMSNorm(nn.Module):
 # A layer's rope: its positions' cos and signed sin, [T, 1, head_dim] each; the model's
 # tables, one per rope a layer may read (``ModelConfig.rope_index``).
 Rope = tuple[torch.Tensor, torch.Tensor]
+
+
+def in_pieces(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor,
+              rows: int) -> torch.Tensor:
+    """``fn(x)`` taken ``rows`` rows at a time, the last piece padded with zero rows: every call
+    has one shape, so a dense matmul sums each row in one order whatever rows share its step
+    (batch invariance; a GEMM's blocking, and with it the order, follows its shape)."""
+    pad = -x.shape[0] % rows
+    if pad:
+        x = torch.cat((x, x.new_zeros(pad, *x.shape[1:])))
+    out = torch.cat([fn(piece) for piece in x.split(rows)])
+    return out[:out.shape[0] - pad]
 
 
 class Attention(nn.Module):
@@ -206,6 +225,7 @@ class Transformer(nn.Module):
         self.head_blocks: QuantizedWeight | None = None
         self.head_kernel: QuantLinear | None = None
         self.decode_stack: DecodeStack | None = None  # all layers in one call, at a few decodes
+        self.head_rows_a_call: int | None = None  # a dense tied head's, as Linear.rows_a_call
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.embedding_rows is not None:
@@ -230,6 +250,11 @@ class Transformer(nn.Module):
         return self.norm(h, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.head_rows_a_call is not None:
+            return in_pieces(self._logits, hidden, self.head_rows_a_call)
+        return self._logits(hidden)
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.head_kernel is not None:
             return self.head_kernel(hidden, self.head_blocks).float()
         if self.output is not None:

@@ -99,6 +99,7 @@ def build_app(state: ServerState, ready_message: str = "", api_key: str | None =
                            dtype_reason=engine.dtype_reason, cpu_isa=cpu.tier,
                            cpu_isa_reason=cpu.describe(), kernels=engine.runner.kernel_path,
                            load_seconds=round(engine.load_seconds, 3),
+                           batch_invariant=engine.config.batch_invariant,
                            tensor_parallel_size=engine.config.tensor_parallel_size)
 
     def card(name: str) -> ModelCard:

@@ -476,6 +476,7 @@ class VersionInfo(BaseModel):
     cpu_isa_reason: str  # the CPU flags that decided it (or CONVEYOR_CPU_ISA)
     kernels: str         # which path the model runs, and why
     load_seconds: float  # the model's load: file, weights placed for the kernels, kernels built
+    batch_invariant: bool  # a request's tokens independent of its batch (--batch-invariant)
     tensor_parallel_size: int  # ranks each replica's layers are split across
 
 

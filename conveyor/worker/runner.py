@@ -54,11 +54,12 @@ class ModelRunner:
                  max_model_len: int, seed: int,
                  quantized: dict[str, QuantizedWeight] | None = None,
                  tensor_parallel: TensorParallel | None = None,
-                 activation_quant: str = "none") -> None:
+                 activation_quant: str = "none", batch_invariant: bool = False) -> None:
         """quantized: the GGUF's block-quantized matrices, read by the CPU kernel at small M.
         tensor_parallel: this rank's group; the runner then holds the rank's shard.
-        activation_quant: the block linears' inputs as integers (EngineConfig's); it needs the
-        CPU kernels (ValueError where they do not run)."""
+        activation_quant: the block linears' inputs as integers (EngineConfig's);
+        batch_invariant: each row's result independent of the step's other rows
+        (EngineConfig's). Both need the CPU kernels (ValueError where they do not run)."""
         self.tensor_parallel = tensor_parallel
         head_rows = None
         if tensor_parallel is not None:
@@ -71,11 +72,12 @@ class ModelRunner:
             head_rows = len(shard.vocab)
         self.config = config
         self.device = device
-        kernels = cpu_kernels(device, dtype, config.head_dim, activation_quant)
-        if kernels is None and activation_quant != "none":
-            raise ValueError(f"activation_quant {activation_quant} needs the CPU kernels, which "
-                             f"do not run here: "
-                             f"{describe(device, dtype, config.head_dim, kernels)}")
+        kernels = cpu_kernels(device, dtype, config.head_dim, activation_quant, batch_invariant)
+        for asked, name in ((activation_quant != "none", f"activation_quant {activation_quant}"),
+                            (batch_invariant, "batch_invariant")):
+            if kernels is None and asked:
+                raise ValueError(f"{name} needs the CPU kernels, which do not run here: "
+                                 f"{describe(device, dtype, config.head_dim, kernels)}")
         with torch.device("meta"):
             self.model = network(config)(config, head_rows)
         shape = (num_blocks, block_size, config.num_kv_heads, config.head_dim)
@@ -84,7 +86,8 @@ class ModelRunner:
                           for _ in range(config.num_layers)]
         apply_backend(self.model, weights, quantized or {}, dtype=dtype, device=device,
                       kernels=kernels, kv_caches=self.kv_caches,
-                      all_reduce=None if tensor_parallel is None else tensor_parallel.all_reduce)
+                      all_reduce=None if tensor_parallel is None else tensor_parallel.all_reduce,
+                      batch_invariant=batch_invariant)
         self.ropes = model_rope_tables(config, max_model_len, dtype, device)
         self.kernel_path = describe(device, dtype, config.head_dim, kernels)
         self.sampler = (Sampler(config.vocab_size, device, seed) if kernels is None else
@@ -98,7 +101,8 @@ class ModelRunner:
         self.planner = StepPlanner(
             block_size, dtype, max_model_len, longrope_switch(config, max_model_len),
             one_decode_group=self.decode_kernel is not None,
-            stack_rows=None if stack is None else stack.max_rows)
+            stack_rows=None if stack is None else stack.max_rows,
+            every_token_a_query=batch_invariant)
         self._bitmask = BatchBitmask()
         self._bitmask_thread = ThreadPoolExecutor(1, thread_name_prefix="conveyor-bitmask")
 

@@ -57,8 +57,9 @@ class StepPlan:
 @dataclass
 class StepPlanner:
     """What planning needs of the runner: the page size, the dtype (chunk work bounds), the
-    rope tables' layout, and how the attention runs (one kernel call for every decode, and the
-    rows of the one-call decode stack where the model has one)."""
+    rope tables' layout, and how the attention runs (one kernel call for every decode, the
+    rows of the one-call decode stack where the model has one, and whether every chunk's tokens
+    are queries of their own, batch invariance's one attention for every token)."""
 
     block_size: int
     dtype: torch.dtype
@@ -66,6 +67,7 @@ class StepPlanner:
     longrope_from: int | None  # (rope.longrope_switch)
     one_decode_group: bool     # the decode kernel takes each context at its own length
     stack_rows: int | None     # the decode stack's most rows; None: no decode stack
+    every_token_a_query: bool = False  # (needs one_decode_group)
 
     def _slots(self, request: Request, start: int, end: int) -> list[int]:
         bs, table = self.block_size, request.block_ids
@@ -86,10 +88,11 @@ class StepPlanner:
         # the chunks' tokens join the decodes as queries of their own, each attending to the
         # context up to itself (causal by its context length): one C call for the step instead
         # of the layers one by one (docs/results/design-notes#unified-chunks).
-        unified = (self.stack_rows is not None and chunks
-                   and len(decodes) + sum(n for _, n in chunks) <= self.stack_rows
-                   and all(n * (2 * r.num_computed_tokens + n + 1) // 2
-                           <= UNIFIED_CHUNK_WORK.get(self.dtype, 0) for r, n in chunks))
+        unified = chunks and (self.every_token_a_query or (
+            self.stack_rows is not None
+            and len(decodes) + sum(n for _, n in chunks) <= self.stack_rows
+            and all(n * (2 * r.num_computed_tokens + n + 1) // 2
+                    <= UNIFIED_CHUNK_WORK.get(self.dtype, 0) for r, n in chunks)))
         plan = StepPlan()
         for r, n in decodes + chunks:
             start = r.num_computed_tokens

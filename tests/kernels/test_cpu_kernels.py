@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from conveyor.kernels import isa
 from conveyor.kernels.activations import fake_quantize
-from conveyor.kernels.bindings import QuantLinear
+from conveyor.kernels.bindings import GLU_KERNELS, QuantLinear
 from conveyor.kernels.blocks import QuantizedWeight
 from conveyor.kernels.library import BF16_HEAD_DIMS, cpu_kernels, kernels_at
 from conveyor.model.attention import gather_pages, write_kv
@@ -320,6 +320,77 @@ def test_quant_linear_reads_the_loaders_weights(tier, dtype, qtype, n, k):
         bound = F.linear(x[:rows].abs().float(), dense.abs(), bias.abs().float())
         step = 2 ** -8 if dtype == BF16 else 1e-6
         assert ((got - want).abs() <= step * bound + 1e-30).all()
+
+
+@pytest.mark.parametrize("tier,dtype", CASES)
+def test_a_rows_bits_do_not_depend_on_the_other_rows(tier, dtype):
+    """Batch invariance of the kernels that take a row at a time: norm, act(gate) * up, rope
+    and the KV write, decode attention give a row the same bits alone, at another place in a
+    call, and among many rows shared out over threads."""
+    kernels = built(tier, dtype)
+    gen = torch.Generator().manual_seed(3)
+    rows, hidden, inter, heads, kv_heads, dim, bs = 40, 576, 1536, 9, 3, 64, 16
+
+    def each_row(fn, *tensors):
+        """fn(*each tensor's rows [a:b]) for the whole batch, then for a few rows alone and a
+        few slices, each on fresh copies (the kernels write in place)."""
+        full = fn(*[t.clone() for t in tensors])
+        for a, b in [(0, 1), (1, 2), (7, 8), (39, 40), (5, 9), (13, 40)]:
+            got = fn(*[t[a:b].clone() for t in tensors])
+            assert torch.equal(got, full[a:b]), (a, b)
+
+    x = (torch.randn(rows, 2 * hidden, generator=gen) * 3).to(dtype)
+    residual = (torch.randn(rows, hidden, generator=gen) * 3).to(dtype)
+    weight = torch.rand(hidden, generator=gen).to(dtype)
+    # (x strided, as a slice of a wider activation)
+    each_row(lambda x, r: torch.cat((kernels.add_rms_norm(x[:, hidden:], r, weight, 1e-5), r),
+                                    1), x, residual)
+    gate_up = (torch.randn(rows, 2 * inter, generator=gen) * 4).to(dtype)
+    for act in GLU_KERNELS:
+        each_row(lambda gu: kernels.gated_mul[act](gu).clone(), gate_up)
+
+    qkv = (torch.randn(rows, heads + 2 * kv_heads, dim, generator=gen) * 4).to(dtype)
+    cos = torch.rand(rows, 1, dim, generator=gen).to(dtype)
+    sin = torch.rand(rows, 1, dim, generator=gen).to(dtype)
+
+    def rope(qkv, cos, sin):
+        caches = [torch.zeros(rows, 1, kv_heads, dim, dtype=dtype) for _ in range(2)]
+        slots = torch.arange(len(qkv))
+        kernels.rope_kv_write(qkv[:, :heads + kv_heads], qkv[:, heads + kv_heads:], cos, sin,
+                              slots, *caches)
+        return torch.cat((qkv, caches[0][:len(qkv), 0], caches[1][:len(qkv), 0]), 1)
+    each_row(rope, qkv, cos, sin)
+
+    k_cache = torch.randn(64, bs, kv_heads, dim, generator=gen).to(dtype)
+    v_cache = torch.randn(64, bs, kv_heads, dim, generator=gen).to(dtype)
+    tables = torch.randint(0, 64, (rows, 6), generator=gen, dtype=torch.int32)
+    lens = torch.randint(1, 6 * bs, (rows,), generator=gen, dtype=torch.int32)
+
+    def attend(q, tables, lens):
+        out = torch.empty_like(q)
+        kernels.decode_attention(q, k_cache, v_cache, tables, lens, out)
+        return out
+    each_row(attend, qkv[:, :heads], tables, lens)
+
+
+@pytest.mark.parametrize("tier,dtype", CASES)
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q4_K, Q.Q6_K])
+def test_invariant_linear_gives_a_row_the_same_bits_at_every_row_count(tier, dtype, qtype):
+    """Batch invariance: a row's result does not depend on how many rows share its call, nor
+    on which (every path the kernel takes by row count, in bits); and it is still the linear."""
+    kernel = kernels_at(tier, dtype, 64, batch_invariant=True).quant_linear
+    # (enough outputs that a sum in another order changes some bfloat16 roundings)
+    weight, dense = random_blocks(qtype, 1024, 512)
+    weight = kernel.in_format(weight)
+    gen = torch.Generator().manual_seed(int(qtype))
+    x = torch.randn(70, 512, generator=gen).to(dtype)
+    full = kernel(x, weight)
+    for start, rows in [(0, 1), (0, 2), (3, 1), (5, 3), (0, 6), (1, 7), (0, 8), (2, 9), (0, 33),
+                        (37, 33)]:
+        assert torch.equal(kernel(x[start:start + rows], weight), full[start:start + rows])
+    bound = F.linear(x.abs().float(), dense.abs())
+    step = 2 ** -8 if dtype == BF16 else 1e-6
+    assert ((full.float() - F.linear(x.float(), dense)).abs() <= step * bound).all()
 
 
 @pytest.mark.parametrize("tier,dtype", CASES)

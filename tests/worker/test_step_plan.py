@@ -51,11 +51,14 @@ def run_workload(planner: StepPlanner, prompts: list[int], max_tokens: int, num_
 @given(block_size=st.sampled_from([1, 4, 16]), prompts=st.lists(st.integers(1, 60), min_size=1,
                                                                  max_size=8),
        max_tokens=st.integers(1, 12), budget=st.integers(8, 80),
-       one_group=st.booleans(), stack_rows=st.sampled_from([None, 4, 64]), seed=st.integers(0, 9))
+       one_group=st.booleans(), stack_rows=st.sampled_from([None, 4, 64]), seed=st.integers(0, 9),
+       every_token_a_query=st.booleans())
 def test_every_token_takes_its_row_slot_and_context(block_size, prompts, max_tokens, budget,
-                                                    one_group, stack_rows, seed):
+                                                    one_group, stack_rows, seed,
+                                                    every_token_a_query):
     max_model_len = 80
-    planner = StepPlanner(block_size, torch.float32, max_model_len, None, one_group, stack_rows)
+    planner = StepPlanner(block_size, torch.float32, max_model_len, None, one_group, stack_rows,
+                          every_token_a_query=every_token_a_query and one_group)
     num_blocks = 8 * -(-max_model_len // block_size)
     for order, before, plan, sampling in run_workload(planner, prompts, max_tokens, num_blocks,
                                                       budget, seed):
@@ -88,6 +91,8 @@ def test_every_token_takes_its_row_slot_and_context(block_size, prompts, max_tok
             assert table[:need] == blocks[:need]
         for tables_, _ in plan.decode_groups:  # padded to one width
             assert len({len(t) for t in tables_}) == 1
+        # batch invariance: every token a query of its own, in one group
+        assert not (planner.every_token_a_query and (plan.prefills or len(rows) > 1))
         if plan.prefills and stack_rows is not None:  # not unified: too many rows or too long
             assert (len(ids) > stack_rows or any(
                 n * (2 * ctx + n + 1) // 2 > UNIFIED_CHUNK_WORK[torch.float32]

@@ -53,6 +53,7 @@ typedef struct Shape {
     int gelu;                               /* the gate's activation: 0 SiLU, 1 GELU (tanh) */
     int levels, int_rows;                   /* --activation-quant: a step of at most int_rows
                                                rows on the integer linears (levels 0: none) */
+    int invariant;                          /* --batch-invariant: the linears' (quant_linear) */
 } Shape;
 
 /* y = x m^T (+ bias): each run's block linear into its columns of y. */
@@ -69,7 +70,8 @@ static ALWAYS_INLINE int matrix_linear(const void *x, int64_t x_stride, const Ma
                           (char *)y + elem * n0, y_stride, rows, r->rows, k, s->levels, threads);
         else
             rc = BY_DTYPE(quant_linear, x, x_stride, r->blocks, r->row_bytes, r->type, b,
-                          (char *)y + elem * n0, y_stride, rows, r->rows, k, threads);
+                          (char *)y + elem * n0, y_stride, rows, r->rows, k, s->invariant,
+                          threads);
     }
     return rc;
 }

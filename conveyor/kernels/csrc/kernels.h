@@ -15,7 +15,7 @@ struct Shape;  /* decode_stack.c: the model's sizes */
 #define CONVEYOR_KERNELS(T, E) \
 int quant_linear_##T(const E *x, int64_t x_stride, const uint8_t *w, int64_t row_bytes, \
                      int type, const E *bias, E *y, int64_t y_stride, int rows, int n, int k, \
-                     int threads); \
+                     int invariant, int threads); \
 int quant_linear_int_##T(const E *x, int64_t x_stride, const uint8_t *w, int64_t row_bytes, \
                          int type, const E *bias, E *y, int64_t y_stride, int rows, int n, \
                          int k, int levels, int threads); \

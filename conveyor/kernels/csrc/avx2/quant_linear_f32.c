@@ -131,14 +131,15 @@ static ALWAYS_INLINE void block_scales(const uint8_t *b, int type, float d[8][2]
 }
 
 /* R rows of x (R <= FEW_ROWS) times output rows [n0, n1). xsum: for types with a min, each
- * row's chunks of x folded to 8 lanes ([R][chunks][8]), what m multiplies. One row keeps two
- * chains of each sum (alternate chunks), so the FMA latency does not bound it; more rows are
- * chains of their own. */
-static ALWAYS_INLINE void rows_times_blocks(int R, int type, const float *x, int64_t x_stride,
-                                            int k, const float *xsum, const uint8_t *w,
-                                            int64_t row_bytes, const float *bias, float *y,
-                                            int64_t y_stride, int n0, int n1) {
-    const int chunks = k / 32, chains = R == 1 ? 2 : 1, per = values_per_block(type) / 32;
+ * row's chunks of x folded to 8 lanes ([R][chunks][8]), what m multiplies. chains: 2 keeps two
+ * chains of each sum (alternate chunks), so the FMA latency does not bound one row; more rows
+ * are chains of their own. */
+static ALWAYS_INLINE void rows_times_blocks(int R, int chains, int type, const float *x,
+                                            int64_t x_stride, int k, const float *xsum,
+                                            const uint8_t *w, int64_t row_bytes,
+                                            const float *bias, float *y, int64_t y_stride,
+                                            int n0, int n1) {
+    const int chunks = k / 32, per = values_per_block(type) / 32;
     /* bytes of a row a chunk takes: how far along the row AHEAD rows on to ask for */
     const int64_t step = stored_block_bytes(type) / per;
     for (int n = n0; n < n1; n++) {
@@ -431,17 +432,31 @@ static int panels(const float *x, int64_t x_stride, const uint8_t *w, int64_t ro
     return 0;
 }
 
-#define CASE(R, T) case R: rows_times_blocks(R, T, x, x_stride, k, xsum, w, row_bytes, bias, \
-                                             y, y_stride, n0, n1); break;
+/* One row keeps two chains of each sum, unless each row's sums must be in the same order at
+ * every row count (batch invariance). */
+#define CASE(R, T) case R: if (R == 1 && !invariant) \
+        rows_times_blocks(R, 2, T, x, x_stride, k, xsum, w, row_bytes, bias, y, y_stride, n0, n1); \
+    else rows_times_blocks(R, 1, T, x, x_stride, k, xsum, w, row_bytes, bias, y, y_stride, n0, n1); \
+    break;
 #define ROWS(T) switch (rows) { CASE(1, T) CASE(2, T) CASE(3, T) CASE(4, T) CASE(5, T) CASE(6, T) }
 
 /* y = x w^T (+ bias). x: [rows, k], y: [rows, n] float32 (row strides given), w: n rows of
- * k weights in blocks of `type`, row_bytes apart; bias: [n] or NULL. Returns -1 for a type or
- * shape it does not handle, -2 without memory for its scratch. */
+ * k weights in blocks of `type`, row_bytes apart; bias: [n] or NULL. invariant: each row's
+ * result the same whatever the other rows (the few-rows path, one chain, FEW_ROWS rows at a
+ * time, at any row count). Returns -1 for a type or shape it does not handle, -2 without memory
+ * for its scratch. */
 int quant_linear_f32(const float *x, int64_t x_stride, const uint8_t *w, int64_t row_bytes,
                      int type, const float *bias, float *y, int64_t y_stride, int rows, int n,
-                     int k, int threads) {
+                     int k, int invariant, int threads) {
     if (!reads_type(type) || k % values_per_block(type) != 0 || rows < 1) return -1;
+    if (invariant && rows > FEW_ROWS) {
+        int rc = 0;
+        for (int m0 = 0; m0 < rows && rc == 0; m0 += FEW_ROWS)
+            rc = quant_linear_f32(x + m0 * x_stride, x_stride, w, row_bytes, type, bias,
+                                  y + m0 * y_stride, y_stride,
+                                  rows - m0 < FEW_ROWS ? rows - m0 : FEW_ROWS, n, k, 1, threads);
+        return rc;
+    }
     if (rows > FEW_ROWS)
         return panels(x, x_stride, w, row_bytes, type, bias, y, y_stride, rows, n, k, threads);
     const int chunks = k / 32;

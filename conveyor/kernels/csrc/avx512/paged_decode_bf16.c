@@ -278,14 +278,17 @@ int paged_decode_attention_bf16(const uint16_t *q, int64_t q_stride,
     if (head_dim != 64 && head_dim != 128 && head_dim != 256) return -1;
     const int group = num_heads / num_kv_heads;
     const int64_t row = (int64_t)num_kv_heads * head_dim;  /* one token of one page */
+    /* AMX scores take a tile in one page and every query head of an item in one result tile */
+    const int amx = AMX_SCORES && block_size % TILE == 0 && group <= TILE && has_amx();
     /* Work items: a request's KV heads in `split` parts. Whole requests when there are enough of
-     * them to go round the threads; with few requests, one head per item instead. */
-    const int split = n >= 2 * threads ? 1 : num_kv_heads, per = num_kv_heads / split;
+     * them to go round the threads; with few requests, or more query heads than an AMX result
+     * tile holds, one head per item instead (so that a row's scores take the same path at
+     * every batch size: batch invariance). */
+    const int split = n >= 2 * threads && !(amx && num_heads > TILE) ? 1 : num_kv_heads;
+    const int per = num_kv_heads / split;
     int longest = 0, failed = 0;
     for (int i = 0; i < n; i++) longest = context_lens[i] > longest ? context_lens[i] : longest;
     const size_t floats = attend_scratch(per * group, head_dim, per * head_dim, longest);
-    /* AMX scores take a tile in one page and every query head of an item in one result tile */
-    const int amx = AMX_SCORES && block_size % TILE == 0 && per * group <= TILE && has_amx();
 
     #pragma omp parallel num_threads(threads)
     {

@@ -236,14 +236,14 @@ static ALWAYS_INLINE void chunk_f32(const uint8_t *b, int type, int c, __m512 *l
 }
 
 /* y[r, n] = sum_k x[r, k] w[n, k] (+ bias) for r < R, output rows [n0, n1). x: float32 [R, k];
- * xs: for types with a min, each row's chunk sums of x ([R][chunks]). One or two rows keep two
- * chains of each sum (alternate chunks), so the FMA latency does not bound them. */
-static ALWAYS_INLINE void rows_times_blocks(int R, const float *x, int k, const float *xs,
+ * xs: for types with a min, each row's chunk sums of x ([R][chunks]). chains: 2 keeps two
+ * chains of each sum (alternate chunks), so the FMA latency does not bound one or two rows. */
+static ALWAYS_INLINE void rows_times_blocks(int R, int chains, const float *x, int k,
+                                            const float *xs,
                                             const uint8_t *w, int64_t row_bytes, int type,
                                             const uint16_t *bias, uint16_t *y, int64_t y_stride,
                                             int n0, int n1) {
-    const int chunks = k / 32, per = is_k_quant(type) ? 8 : 1, chains = R <= 2 ? 2 : 1;
-    const int bb = block_bytes(type);
+    const int chunks = k / 32, per = is_k_quant(type) ? 8 : 1, bb = block_bytes(type);
     for (int n = n0; n < n1; n++) {
         const uint8_t *row = w + (int64_t)n * row_bytes;
         __m512 acc[MAX_ROWS][2];
@@ -613,27 +613,19 @@ int has_amx(void) {
 #endif
 }
 
-#define CASE(R, T) case R: rows_times_blocks(R, xf, k, xs, w, row_bytes, T, bias, y, \
-                                            y_stride, n0, n1); break;
+/* Up to two rows keep two chains of each sum, unless each row's sums must be in the same order
+ * at every row count (batch invariance). */
+#define CASE(R, T) case R: if (R <= 2 && !invariant) \
+        rows_times_blocks(R, 2, xf, k, xs, w, row_bytes, T, bias, y, y_stride, n0, n1); \
+    else rows_times_blocks(R, 1, xf, k, xs, w, row_bytes, T, bias, y, y_stride, n0, n1); \
+    break;
 #define ROWS(T) switch (rows) { CASE(1, T) CASE(2, T) CASE(3, T) CASE(4, T) CASE(5, T) \
                                 CASE(6, T) CASE(7, T) CASE(8, T) }
 
-/* y = x w^T (+ bias). x: [rows, k] bfloat16, y: [rows, n] bfloat16 (row strides given), w: n
- * rows of k / 32 blocks of `type`, row_bytes apart; bias: [n] bfloat16 or NULL. Returns -1 for
- * a type or shape it does not handle, -2 without memory for its scratch. */
-int quant_linear_bf16(const uint16_t *x, int64_t x_stride, const uint8_t *w, int64_t row_bytes,
-                      int type, const uint16_t *bias, uint16_t *y, int64_t y_stride, int rows,
-                      int n, int k, int threads) {
-    if (!reads_bf16(type) || k % values_per_block(type) != 0 || rows < 1) return -1;
-#if AMX_BUILT
-    if (rows > FMA_FIRST_ROWS && rows <= AMX_FEW_ROWS && has_amx())
-        return quant_matmul_amx_few(x, x_stride, w, row_bytes, type, bias, y, y_stride, rows, n, k,
-                                    threads);
-    if (rows > FMA_FIRST_ROWS && has_amx())
-        return quant_matmul_amx(x, x_stride, w, row_bytes, type, bias, y, y_stride, rows, n, k,
-                                threads);
-#endif
-    if (rows > MAX_ROWS) return -1;
+/* The FMA kernel on up to MAX_ROWS rows (quant_linear_bf16's arguments). */
+static int fma_rows(const uint16_t *x, int64_t x_stride, const uint8_t *w, int64_t row_bytes,
+                    int type, const uint16_t *bias, uint16_t *y, int64_t y_stride, int rows,
+                    int n, int k, int invariant, int threads) {
     const int chunks = k / 32;
     /* the activations in float32, once, and each chunk's sum (what a min multiplies) */
     float *xf = aligned_alloc(64, sizeof(float) * rows * (k + chunks) + 64);
@@ -666,6 +658,35 @@ int quant_linear_bf16(const uint16_t *x, int64_t x_stride, const uint8_t *w, int
     }
     free(xf);
     return 0;
+}
+
+/* y = x w^T (+ bias). x: [rows, k] bfloat16, y: [rows, n] bfloat16 (row strides given), w: n
+ * rows of k / 32 blocks of `type`, row_bytes apart; bias: [n] bfloat16 or NULL. invariant: each
+ * row's result the same whatever the other rows (the FMA kernel, one chain, MAX_ROWS rows at a
+ * time, at any row count). Returns -1 for a type or shape it does not handle, -2 without memory
+ * for its scratch. */
+int quant_linear_bf16(const uint16_t *x, int64_t x_stride, const uint8_t *w, int64_t row_bytes,
+                      int type, const uint16_t *bias, uint16_t *y, int64_t y_stride, int rows,
+                      int n, int k, int invariant, int threads) {
+    if (!reads_bf16(type) || k % values_per_block(type) != 0 || rows < 1) return -1;
+    if (invariant) {
+        int rc = 0;
+        for (int m0 = 0; m0 < rows && rc == 0; m0 += MAX_ROWS)
+            rc = fma_rows(x + m0 * x_stride, x_stride, w, row_bytes, type, bias,
+                          y + m0 * y_stride, y_stride, rows - m0 < MAX_ROWS ? rows - m0 : MAX_ROWS,
+                          n, k, 1, threads);
+        return rc;
+    }
+#if AMX_BUILT
+    if (rows > FMA_FIRST_ROWS && rows <= AMX_FEW_ROWS && has_amx())
+        return quant_matmul_amx_few(x, x_stride, w, row_bytes, type, bias, y, y_stride, rows, n, k,
+                                    threads);
+    if (rows > FMA_FIRST_ROWS && has_amx())
+        return quant_matmul_amx(x, x_stride, w, row_bytes, type, bias, y, y_stride, rows, n, k,
+                                threads);
+#endif
+    if (rows > MAX_ROWS) return -1;
+    return fma_rows(x, x_stride, w, row_bytes, type, bias, y, y_stride, rows, n, k, 0, threads);
 }
 
 /* out[r] = row ids[r] of w (n rows of k weights, in this file's block format) in bfloat16: the

@@ -31,11 +31,13 @@ static inline void dequant_chunk(const uint8_t *row, int type, int j, float *w) 
 }
 
 /* y = x w^T (+ bias). x: [rows, k], y: [rows, n] float32 (row strides given), w: n rows of
- * k weights in blocks of `type`, row_bytes apart; bias: [n] or NULL. Returns -1 for a type or
- * shape it does not handle. */
+ * k weights in blocks of `type`, row_bytes apart; bias: [n] or NULL. invariant: each row's
+ * result the same whatever the other rows, which it always is here (a row's sum is in k's
+ * order). Returns -1 for a type or shape it does not handle. */
 int quant_linear_f32(const float *x, int64_t x_stride, const uint8_t *w, int64_t row_bytes,
                      int type, const float *bias, float *y, int64_t y_stride, int rows, int n,
-                     int k, int threads) {
+                     int k, int invariant, int threads) {
+    (void)invariant;
     if (!reads_type(type) || k % values_per_block(type) != 0 || rows < 1) return -1;
     #pragma omp parallel num_threads(threads)
     {
