@@ -212,7 +212,8 @@ class QuantLinear:
 
     def __init__(self, lib: ctypes.CDLL, dtype: torch.dtype, invariant: bool = False) -> None:
         """invariant: each row's result the same whatever the other rows (batch invariance):
-        the few-rows kernel, a row's sums in one order, at every row count."""
+        one kernel, a row's sums in one order, at every row count (bfloat16: dot products on
+        the loader's weights rounded; float32: the few-rows kernel)."""
         self.dtype = dtype
         self.invariant = invariant
         self._fn = entry(lib, "quant_linear", dtype)

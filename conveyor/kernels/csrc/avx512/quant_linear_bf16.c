@@ -301,6 +301,79 @@ static ALWAYS_INLINE void rows_times_blocks(int R, int chains, const float *x, i
     }
 }
 
+/* ---- Batch invariance: bfloat16 dot products, every row in one order at any row count. ----
+ * Each chunk of 32 weights is dequantized once (chunk_weights: the loader's weights rounded to
+ * bfloat16, as AMX and the dense rows take them) and multiplied with up to DOT_ROWS activation
+ * rows as they are (vdpbf16ps: 32 products an instruction into 16 float32 lanes); a row's lanes
+ * take the chunks in order and are summed at the end, whatever the other rows. */
+#define DOT_ROWS 16
+
+static ALWAYS_INLINE void rows_dot_blocks(int R, const uint16_t *x, int64_t x_stride, int k,
+                                          const uint8_t *w, int64_t row_bytes, int type,
+                                          const uint16_t *bias, uint16_t *y, int64_t y_stride,
+                                          int n0, int n1) {
+    const int chunks = k / 32, per = is_k_quant(type) ? 8 : 1, bb = block_bytes(type);
+    for (int n = n0; n < n1; n++) {
+        const uint8_t *row = w + (int64_t)n * row_bytes;
+        __m512 acc[DOT_ROWS];
+        for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+        for (int j0 = 0; j0 < chunks; j0 += per) {
+            const uint8_t *b = row + (int64_t)(j0 / per) * bb;
+            Factors f;
+            block_factors(b, type, &f);
+            _mm_prefetch((const char *)b + 4 * row_bytes, _MM_HINT_T0);
+            #pragma GCC unroll 8
+            for (int c = 0; c < per; c++) {
+                const __m512bh wv = (__m512bh)chunk_weights(b, type, c, &f);
+                for (int r = 0; r < R; r++)
+                    acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_loadu_si512(
+                        x + r * x_stride + 32 * (j0 + c)), wv);
+            }
+        }
+        const float bv = bias != NULL ? bf16_load(bias[n]) : 0.0f;
+        for (int r = 0; r < R; r++)
+            y[r * y_stride + n] = bf16_store(_mm512_reduce_add_ps(acc[r]) + bv);
+    }
+}
+
+#define DOT(R, T) case R: rows_dot_blocks(R, xm, x_stride, k, w, row_bytes, T, bias, ym, \
+                                          y_stride, b0, b1); break;
+#define DOT_TYPE(T) switch (piece) { DOT(1, T) DOT(2, T) DOT(3, T) DOT(4, T) DOT(5, T) DOT(6, T) \
+    DOT(7, T) DOT(8, T) DOT(9, T) DOT(10, T) DOT(11, T) DOT(12, T) DOT(13, T) DOT(14, T) \
+    DOT(15, T) DOT(16, T) }
+
+/* rows_dot_blocks on any number of rows (quant_linear_bf16's arguments): each thread's outputs
+ * DOT_OUTPUTS at a time, whose blocks stay in its L2 while every piece of DOT_ROWS rows passes,
+ * so that a prompt's rows do not stream the weights from memory once a piece. */
+#define DOT_OUTPUTS 128
+
+static void dot_rows(const uint16_t *x, int64_t x_stride, const uint8_t *w, int64_t row_bytes,
+                     int type, const uint16_t *bias, uint16_t *y, int64_t y_stride, int rows,
+                     int n, int k, int threads) {
+    #pragma omp parallel num_threads(threads)
+    {
+        int n0, n1;
+        thread_share(n, &n0, &n1);
+        for (int b0 = n0; b0 < n1; b0 += DOT_OUTPUTS) {
+            const int b1 = n1 - b0 < DOT_OUTPUTS ? n1 : b0 + DOT_OUTPUTS;
+            for (int m0 = 0; m0 < rows; m0 += DOT_ROWS) {
+                const int piece = rows - m0 < DOT_ROWS ? rows - m0 : DOT_ROWS;
+                const uint16_t *xm = x + m0 * x_stride;
+                uint16_t *ym = y + m0 * y_stride;
+                switch (type) {
+                case Q4_0: DOT_TYPE(Q4_0) break;
+                case Q4_1: DOT_TYPE(Q4_1) break;
+                case Q5_1: DOT_TYPE(Q5_1) break;
+                case Q8_0: DOT_TYPE(Q8_0) break;
+                case Q4_K: DOT_TYPE(Q4_K) break;
+                case Q5_K: DOT_TYPE(Q5_K) break;
+                default: DOT_TYPE(Q6_K) break;
+                }
+            }
+        }
+    }
+}
+
 /* ---- Many rows: AMX. ----
  * The weights are the tiles' A operand: sixteen output rows' blocks, dequantized to bfloat16
  * in their natural order, are one 16 x 32 tile, so no weight is shuffled. The activations are the
@@ -613,19 +686,16 @@ int has_amx(void) {
 #endif
 }
 
-/* Up to two rows keep two chains of each sum, unless each row's sums must be in the same order
- * at every row count (batch invariance). */
-#define CASE(R, T) case R: if (R <= 2 && !invariant) \
-        rows_times_blocks(R, 2, xf, k, xs, w, row_bytes, T, bias, y, y_stride, n0, n1); \
-    else rows_times_blocks(R, 1, xf, k, xs, w, row_bytes, T, bias, y, y_stride, n0, n1); \
-    break;
+/* Up to two rows keep two chains of each sum. */
+#define CASE(R, T) case R: rows_times_blocks(R, R <= 2 ? 2 : 1, xf, k, xs, w, row_bytes, T, \
+                                             bias, y, y_stride, n0, n1); break;
 #define ROWS(T) switch (rows) { CASE(1, T) CASE(2, T) CASE(3, T) CASE(4, T) CASE(5, T) \
                                 CASE(6, T) CASE(7, T) CASE(8, T) }
 
 /* The FMA kernel on up to MAX_ROWS rows (quant_linear_bf16's arguments). */
 static int fma_rows(const uint16_t *x, int64_t x_stride, const uint8_t *w, int64_t row_bytes,
                     int type, const uint16_t *bias, uint16_t *y, int64_t y_stride, int rows,
-                    int n, int k, int invariant, int threads) {
+                    int n, int k, int threads) {
     const int chunks = k / 32;
     /* the activations in float32, once, and each chunk's sum (what a min multiplies) */
     float *xf = aligned_alloc(64, sizeof(float) * rows * (k + chunks) + 64);
@@ -662,20 +732,15 @@ static int fma_rows(const uint16_t *x, int64_t x_stride, const uint8_t *w, int64
 
 /* y = x w^T (+ bias). x: [rows, k] bfloat16, y: [rows, n] bfloat16 (row strides given), w: n
  * rows of k / 32 blocks of `type`, row_bytes apart; bias: [n] bfloat16 or NULL. invariant: each
- * row's result the same whatever the other rows (the FMA kernel, one chain, MAX_ROWS rows at a
- * time, at any row count). Returns -1 for a type or shape it does not handle, -2 without memory
+ * row's result the same whatever the other rows (rows_dot_blocks at any row count). Returns -1 for a type or shape it does not handle, -2 without memory
  * for its scratch. */
 int quant_linear_bf16(const uint16_t *x, int64_t x_stride, const uint8_t *w, int64_t row_bytes,
                       int type, const uint16_t *bias, uint16_t *y, int64_t y_stride, int rows,
                       int n, int k, int invariant, int threads) {
     if (!reads_bf16(type) || k % values_per_block(type) != 0 || rows < 1) return -1;
     if (invariant) {
-        int rc = 0;
-        for (int m0 = 0; m0 < rows && rc == 0; m0 += MAX_ROWS)
-            rc = fma_rows(x + m0 * x_stride, x_stride, w, row_bytes, type, bias,
-                          y + m0 * y_stride, y_stride, rows - m0 < MAX_ROWS ? rows - m0 : MAX_ROWS,
-                          n, k, 1, threads);
-        return rc;
+        dot_rows(x, x_stride, w, row_bytes, type, bias, y, y_stride, rows, n, k, threads);
+        return 0;
     }
 #if AMX_BUILT
     if (rows > FMA_FIRST_ROWS && rows <= AMX_FEW_ROWS && has_amx())
@@ -686,7 +751,7 @@ int quant_linear_bf16(const uint16_t *x, int64_t x_stride, const uint8_t *w, int
                                 threads);
 #endif
     if (rows > MAX_ROWS) return -1;
-    return fma_rows(x, x_stride, w, row_bytes, type, bias, y, y_stride, rows, n, k, 0, threads);
+    return fma_rows(x, x_stride, w, row_bytes, type, bias, y, y_stride, rows, n, k, threads);
 }
 
 /* out[r] = row ids[r] of w (n rows of k weights, in this file's block format) in bfloat16: the
