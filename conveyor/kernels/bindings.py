@@ -207,8 +207,9 @@ class QuantLinear:
     # its activation tiles outgrow the L2 (docs/results/design-notes#amx-rows): more rows are
     # taken 512 at a time.
     AMX_ROWS = 512
-    # float32: any number of rows (its own register-blocked products)
-    F32_ROWS = 1 << 30
+    # float32, and batch invariance at either dtype: any number of rows (the kernels' own
+    # blocking)
+    ANY_ROWS = 1 << 30
 
     def __init__(self, lib: ctypes.CDLL, dtype: torch.dtype, invariant: bool = False) -> None:
         """invariant: each row's result the same whatever the other rows (batch invariance):
@@ -223,7 +224,7 @@ class QuantLinear:
         # the float32 kernels read every block type and dense rows; the bfloat16 ones the
         # block types
         self.types = BLOCK_TYPES - set(DENSE_TYPES.values() if self.wide else ())
-        self.max_rows = (self.F32_ROWS if dtype == torch.float32 or invariant
+        self.max_rows = (self.ANY_ROWS if dtype == torch.float32 or invariant
                          else self.AMX_ROWS if self.amx else self.FMA_ROWS)
         self._dense_rows = (DequantRows(lib, dtype) if self.wide and not self.amx
                             and not invariant else None)

@@ -336,6 +336,16 @@ static ALWAYS_INLINE void rows_dot_blocks(int R, const uint16_t *x, int64_t x_st
     }
 }
 
+/* M(T) for the block type `type`, one specialisation a type: no type tests in the inner loops. */
+#define EACH_TYPE(M) switch (type) { \
+    case Q4_0: M(Q4_0) break; \
+    case Q4_1: M(Q4_1) break; \
+    case Q5_1: M(Q5_1) break; \
+    case Q8_0: M(Q8_0) break; \
+    case Q4_K: M(Q4_K) break; \
+    case Q5_K: M(Q5_K) break; \
+    default: M(Q6_K) break; }
+
 #define DOT(R, T) case R: rows_dot_blocks(R, xm, x_stride, k, w, row_bytes, T, bias, ym, \
                                           y_stride, b0, b1); break;
 #define DOT_TYPE(T) switch (piece) { DOT(1, T) DOT(2, T) DOT(3, T) DOT(4, T) DOT(5, T) DOT(6, T) \
@@ -360,15 +370,7 @@ static void dot_rows(const uint16_t *x, int64_t x_stride, const uint8_t *w, int6
                 const int piece = rows - m0 < DOT_ROWS ? rows - m0 : DOT_ROWS;
                 const uint16_t *xm = x + m0 * x_stride;
                 uint16_t *ym = y + m0 * y_stride;
-                switch (type) {
-                case Q4_0: DOT_TYPE(Q4_0) break;
-                case Q4_1: DOT_TYPE(Q4_1) break;
-                case Q5_1: DOT_TYPE(Q5_1) break;
-                case Q8_0: DOT_TYPE(Q8_0) break;
-                case Q4_K: DOT_TYPE(Q4_K) break;
-                case Q5_K: DOT_TYPE(Q5_K) break;
-                default: DOT_TYPE(Q6_K) break;
-                }
+                EACH_TYPE(DOT_TYPE)
             }
         }
     }
@@ -716,15 +718,7 @@ static int fma_rows(const uint16_t *x, int64_t x_stride, const uint8_t *w, int64
     {
         int n0, n1;
         thread_share(n, &n0, &n1);
-        switch (type) {  /* one specialisation a type: no type tests in the inner loop */
-        case Q4_0: ROWS(Q4_0) break;
-        case Q4_1: ROWS(Q4_1) break;
-        case Q5_1: ROWS(Q5_1) break;
-        case Q8_0: ROWS(Q8_0) break;
-        case Q4_K: ROWS(Q4_K) break;
-        case Q5_K: ROWS(Q5_K) break;
-        default: ROWS(Q6_K) break;
-        }
+        EACH_TYPE(ROWS)
     }
     free(xf);
     return 0;
@@ -732,8 +726,8 @@ static int fma_rows(const uint16_t *x, int64_t x_stride, const uint8_t *w, int64
 
 /* y = x w^T (+ bias). x: [rows, k] bfloat16, y: [rows, n] bfloat16 (row strides given), w: n
  * rows of k / 32 blocks of `type`, row_bytes apart; bias: [n] bfloat16 or NULL. invariant: each
- * row's result the same whatever the other rows (rows_dot_blocks at any row count). Returns -1 for a type or shape it does not handle, -2 without memory
- * for its scratch. */
+ * row's result the same whatever the other rows (rows_dot_blocks at any row count). Returns -1
+ * for a type or shape it does not handle, -2 without memory for its scratch. */
 int quant_linear_bf16(const uint16_t *x, int64_t x_stride, const uint8_t *w, int64_t row_bytes,
                       int type, const uint16_t *bias, uint16_t *y, int64_t y_stride, int rows,
                       int n, int k, int invariant, int threads) {
