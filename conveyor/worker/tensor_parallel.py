@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed.nn.functional  # noqa: F401  (before any group: see TensorParallel)
 import torch.multiprocessing as mp
 
 from conveyor.config import EngineConfig
@@ -48,6 +49,11 @@ class TensorParallel:
         self.all_reduce_bytes = 0
         self.all_reduce_seconds = 0.0
         self.communication_seconds = 0.0  # every collective: all-reduces, logits, plans
+        # torch.distributed.nn.functional binds the group that exists when it is first imported
+        # as its functions' default (transformers' loader imports it); bound to ours, it kept
+        # the group and its gloo threads alive past close, and a thread still freeing its last
+        # collective while the interpreter shut down aborted the process ("terminate called
+        # without an active exception"). Imported above, before any group, it binds none.
         dist.init_process_group(_backend(device), init_method=init_method, rank=rank,
                                 world_size=world_size, timeout=TIMEOUT)
         self._closed = False

@@ -151,3 +151,22 @@ def test_torchrun_launches_the_same_command_on_every_rank(tiny_checkpoint):
                          env=dict(os.environ, HF_HUB_OFFLINE="1"))
     assert two.returncode == 0, two.stderr[-3000:]
     assert f"--- {prompt!r}\n{text}\n[16 tokens" in two.stdout
+
+
+def test_close_ends_the_groups_threads_whatever_is_imported_after_the_start():
+    """A module that binds the world group at its import (torch.distributed.nn.functional, which
+    transformers' loader imports) must not keep the group alive past close: its gloo threads,
+    still freeing their last collective as the interpreter shut down, aborted ranks at exit."""
+    script = f"""
+import os, torch
+from conveyor.worker.tensor_parallel import TensorParallel
+group = TensorParallel(0, 1, "tcp://127.0.0.1:{free_port()}", torch.device("cpu"))
+group.all_reduce(torch.ones(4))
+import transformers.modeling_utils
+group.close()
+print(sorted(open(f"/proc/self/task/{{t}}/comm").read().strip() for t in os.listdir("/proc/self/task")))
+"""
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "gloo" not in run.stdout, run.stdout
