@@ -76,6 +76,8 @@ def _env(args: argparse.Namespace) -> None:
     print(f"oneDNN bfloat16 prepacking: {'yes' if can_prepack(device, torch.bfloat16) else 'no'}")
     print("batch invariance: off unless --batch-invariant"
           + ("" if kernels is not None else " (which needs the CPU kernels: not here)"))
+    print(f"KV cache: {str(dtype).removeprefix('torch.')} (the model dtype) unless "
+          f"--kv-cache-dtype int8")
 
 
 def _serve(args: argparse.Namespace) -> None:

@@ -22,6 +22,7 @@ _UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "kib": 2**10, "m": 1e6, "mb": 1e6,
 QUANTIZATIONS = ("q8_0", "q4_1", "q4_0")
 TASKS = ("generate", "embed")
 ACTIVATION_QUANTS = ("none", "int16", "int8")
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float32", "int8")  # (model/kv_cache.py)
 DEFAULT_CPU_KV_SHARE = 0.25        # of available RAM ...
 DEFAULT_CPU_KV_CAP = 4 * 2**30     # ... but no more than vLLM's CPU default of 4 GiB
 DEFAULT_CUDA_KV_SHARE = 0.8        # of free device memory after the weights
@@ -74,6 +75,10 @@ class EngineConfig:
         "paged", "contiguous: reserve max_model_len per request at admission, as static serving "
                  "stacks do (to measure what paging saves; no prefix caching)",
         choices=KV_LAYOUTS)
+    kv_cache_dtype: str = setting(
+        "auto", "what the KV cache stores: auto, the model dtype; int8, a byte a value and a "
+                "scale per token and head (about half of bfloat16's memory and reads)",
+        choices=KV_CACHE_DTYPES)
     enable_prefix_caching: bool = setting(True, "reuse the KV pages of shared prompt prefixes")
     scheduling_policy: str = setting(
         "fcfs", "priority: lower `priority` values are admitted first and preempted last",

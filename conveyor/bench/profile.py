@@ -100,7 +100,7 @@ def grid_samples(args: argparse.Namespace) -> tuple[list, dict, int]:
     source = {"from": "grid", "machine": machine(), "cpu_isa": isa.current().describe(),
               "model": engine.model_path, "dtype": str(engine.dtype).removeprefix("torch."),
               "threads": args.threads, "kernels": engine.runner.kernel_path}
-    per_token = kv_bytes_per_block(engine.model_config, 1, engine.dtype)
+    per_token = kv_bytes_per_block(engine.model_config, 1, engine.kv_dtype)
     engine.shutdown()
     return samples, source, per_token
 
@@ -119,7 +119,8 @@ def live_server_samples(base_url: str) -> tuple[list, dict, int]:
     model = httpx.get(base + "/v1/models", timeout=30).json()["data"][0]["root"]
     source = {"from": base + "/v1/engine/steps", "machine": version["cpu_isa_reason"],
               "model": model, "dtype": version["dtype"], "kernels": version["kernels"]}
-    per_token = kv_bytes_per_block(load_config(model), 1, getattr(torch, version["dtype"]),
+    per_token = kv_bytes_per_block(load_config(model), 1,
+                                   getattr(torch, version["kv_cache_dtype"]),
                                    version["tensor_parallel_size"])
     return live_samples(steps.json()["steps"]), source, per_token
 

@@ -26,6 +26,7 @@ from conveyor.engine.detokenizer import IncrementalDetokenizer
 from conveyor.engine.input_processor import InputProcessor, Prompt, check_chat_template
 from conveyor.engine.output_processor import OutputProcessor, RequestState, SampleState
 from conveyor.model.config import ModelConfig
+from conveyor.model.kv_cache import kv_storage
 from conveyor.model.loader import load_model
 from conveyor.model.rope import longrope_switch
 from conveyor.outputs import RequestOutput
@@ -49,11 +50,12 @@ class KVPool:
     max_model_len: int  # the flag's, else the model's own limit clamped to what the pool holds
 
 
-def size_kv_pool(config: EngineConfig, model: ModelConfig, dtype: torch.dtype,
+def size_kv_pool(config: EngineConfig, model: ModelConfig, kv_dtype: torch.dtype,
                  device: torch.device) -> KVPool:
     """The pool's pages: ``--num-kv-blocks``, else as many as the KV memory holds
-    (``--kv-cache-memory``, else a share of the free memory)."""
-    per_block = kv_bytes_per_block(model, config.block_size, dtype, config.tensor_parallel_size)
+    (``--kv-cache-memory``, else a share of the free memory) in caches of ``kv_dtype``."""
+    per_block = kv_bytes_per_block(model, config.block_size, kv_dtype,
+                                   config.tensor_parallel_size)
     num_blocks = config.num_kv_blocks or config.kv_cache_bytes(device) // per_block
     model_len = config.max_model_len
     if model_len is None:
@@ -115,7 +117,8 @@ class LLMEngine:
         self.dtype = config.torch_dtype(loaded.config.torch_dtype, self.device)
         self.dtype_reason = config.dtype_reason(loaded.config.torch_dtype, self.device)
 
-        pool = size_kv_pool(config, loaded.config, self.dtype, self.device)
+        self.kv_dtype = kv_storage(config.kv_cache_dtype, self.dtype)
+        pool = size_kv_pool(config, loaded.config, self.kv_dtype, self.device)
         num_blocks, model_len = pool.num_blocks, pool.max_model_len
         self.max_model_len = model_len
         self._longrope_from = longrope_switch(loaded.config, model_len)
@@ -128,7 +131,7 @@ class LLMEngine:
                                      self.grammars)
         setup = dict(dtype=self.dtype, num_blocks=num_blocks, max_model_len=model_len,
                      activation_quant=config.activation_quant,
-                     batch_invariant=config.batch_invariant)
+                     batch_invariant=config.batch_invariant, kv_dtype=self.kv_dtype)
         tp = self.tensor_parallel
         if tp is not None:  # the workers build their shards of the same pool
             tp.send(setup)
@@ -140,9 +143,10 @@ class LLMEngine:
             tp.barrier()
         self.kv_cache_bytes = pool.bytes
         self.load_seconds = time.monotonic() - started  # the file, its weights placed, kernels
-        logger.info("loaded %s in %.1f s (resident %.2f GiB, peak %.2f GiB; KV pool %.2f GiB, "
-                    "resident as it fills); dtype %s (%s); %s", loaded.name, self.load_seconds,
-                    *resident_gib(), self.kv_cache_bytes / 2**30,
+        logger.info("loaded %s in %.1f s (resident %.2f GiB, peak %.2f GiB; KV pool %.2f GiB of "
+                    "%s, resident as it fills); dtype %s (%s); %s", loaded.name,
+                    self.load_seconds, *resident_gib(), self.kv_cache_bytes / 2**30,
+                    str(self.kv_dtype).removeprefix("torch."),
                     str(self.dtype).removeprefix("torch."), self.dtype_reason,
                     self.runner.kernel_path)
 

@@ -27,6 +27,16 @@ def has_entry(lib: ctypes.CDLL, name: str, dtype: torch.dtype) -> bool:
     return hasattr(lib, f"{name}_{SUFFIX[dtype]}")
 
 
+def kv_type(cache: torch.Tensor, dtype: torch.dtype, head_dim: int) -> int:
+    """The kernels' code for a cache's storage (csrc/common.h): 0, the model dtype; 1, int8
+    head rows of head_dim values and a float32 scale (model/kv_cache.py)."""
+    if cache.dtype == torch.int8:
+        assert cache.shape[-1] == head_dim + 4
+        return 1
+    assert cache.dtype == dtype and cache.shape[-1] == head_dim
+    return 0
+
+
 class DecodeKernel:
     """Attention of single-token queries straight from the paged cache."""
 
@@ -39,18 +49,20 @@ class DecodeKernel:
                  out: torch.Tensor, *, scale: float | None = None, window: int | None = None,
                  softcap: float | None = None) -> None:
         """q, out: [n, H, D] (rows may be strided, heads packed); caches: [blocks, block_size,
-        KVH, D], contiguous; block_tables: [n, W] int32; context_lens: [n] int32. scale: the
-        scores' (default head_dim^-0.5); window: the tokens a query attends to at most (its
-        own and the window - 1 before it); softcap: scores become softcap * tanh(s / softcap)."""
+        KVH, D] of the dtype or int8 head rows (``kv_type``), contiguous; block_tables: [n, W]
+        int32; context_lens: [n] int32. scale: the scores' (default head_dim^-0.5); window: the
+        tokens a query attends to at most (its own and the window - 1 before it); softcap:
+        scores become softcap * tanh(s / softcap)."""
         n, num_heads, dim = q.shape
         _, block_size, kv_heads, _ = k_cache.shape
-        assert q.dtype == out.dtype == k_cache.dtype == v_cache.dtype == self.dtype
+        assert q.dtype == out.dtype == self.dtype and k_cache.dtype == v_cache.dtype
+        storage = kv_type(k_cache, self.dtype, dim)
         assert block_tables.dtype == context_lens.dtype == torch.int32
         assert k_cache.is_contiguous() and v_cache.is_contiguous()
         assert block_tables.stride(1) == 1 and context_lens.is_contiguous()
         for t in (q, out):
             assert t.stride(2) == 1 and t.stride(1) == dim
-        rc = self._fn(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
+        rc = self._fn(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), storage,
                       block_tables.data_ptr(), block_tables.stride(0), context_lens.data_ptr(),
                       out.data_ptr(), out.stride(0), n, num_heads, kv_heads, dim, block_size,
                       dim ** -0.5 if scale is None else scale, window or 0, softcap or 0.0,
@@ -157,18 +169,20 @@ class RopeKVWrite:
     def __call__(self, qk: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                  slots: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
         """qk: [T, H + KVH, D], v: [T, KVH, D] (rows may be strided, heads packed); cos/sin:
-        [T, 1, D]; slots: [T] int64; caches: [blocks, block_size, KVH, D]."""
+        [T, 1, D]; slots: [T] int64; caches: [blocks, block_size, KVH, D] of the dtype or int8
+        head rows (``kv_type``)."""
         tokens, num_qk, dim = qk.shape
         kv_heads = v.shape[1]
-        assert qk.dtype == v.dtype == cos.dtype == sin.dtype == k_cache.dtype == self.dtype
-        assert v_cache.dtype == self.dtype and slots.dtype == torch.int64
+        assert qk.dtype == v.dtype == cos.dtype == sin.dtype == self.dtype
+        assert k_cache.dtype == v_cache.dtype and slots.dtype == torch.int64
+        storage = kv_type(k_cache, self.dtype, dim)
         assert k_cache.is_contiguous() and v_cache.is_contiguous() and slots.is_contiguous()
         for t in (qk, v):
             assert t.stride(2) == 1 and t.stride(1) == dim
         assert cos.stride() == sin.stride() and cos.stride(2) == 1
         self._fn(qk.data_ptr(), qk.stride(0), v.data_ptr(), v.stride(0), cos.data_ptr(),
                  sin.data_ptr(), cos.stride(0), slots.data_ptr(), k_cache.data_ptr(),
-                 v_cache.data_ptr(), tokens, num_qk - kv_heads, kv_heads, dim,
+                 v_cache.data_ptr(), storage, tokens, num_qk - kv_heads, kv_heads, dim,
                  torch.get_num_threads())
 
 
@@ -331,7 +345,7 @@ class _Shape(ctypes.Structure):
                                                     "intermediate", "block_size")] + [
         ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("softcap", ctypes.c_float),
         ("gelu", ctypes.c_int), ("levels", ctypes.c_int), ("int_rows", ctypes.c_int),
-        ("invariant", ctypes.c_int)]
+        ("invariant", ctypes.c_int), ("kv_type", ctypes.c_int)]
 
 
 @dataclass
@@ -345,7 +359,8 @@ class StackLayer:
     w13: tuple[QuantizedWeight, ...]   # gate and up rows, fused
     w2: tuple[QuantizedWeight, ...]
     qkv_bias: torch.Tensor | None
-    k_cache: torch.Tensor         # [blocks, block_size, kv_heads, head_dim], contiguous
+    k_cache: torch.Tensor         # [blocks, block_size, kv_heads, head_dim], contiguous (or
+                                  # int8 head rows: kv_type)
     v_cache: torch.Tensor
     window: int | None = None     # its sliding window, if it has one
     rope: int = 0                 # its rope table (ModelConfig.rope_index)
@@ -382,10 +397,13 @@ class DecodeStack:
         def ptr(t: torch.Tensor | None) -> int | None:
             return None if t is None else t.data_ptr()
 
+        storage = kv_type(layers[0].k_cache, dtype, head_dim)
         for layer in layers:
-            for t in (layer.attention_norm, layer.ffn_norm, layer.k_cache, layer.v_cache,
-                      layer.q_norm, layer.k_norm, layer.post_attention_norm, layer.post_ffn_norm):
+            for t in (layer.attention_norm, layer.ffn_norm, layer.q_norm, layer.k_norm,
+                      layer.post_attention_norm, layer.post_ffn_norm):
                 assert t is None or t.dtype == dtype and t.is_contiguous()
+            for t in (layer.k_cache, layer.v_cache):
+                assert kv_type(t, dtype, head_dim) == storage and t.is_contiguous()
             assert (layer.q_norm is None) == (layer.k_norm is None)
         self._layers = (_Layer * len(layers))(*[_Layer(
             l.attention_norm.data_ptr(), l.ffn_norm.data_ptr(), matrix(l.wqkv), matrix(l.wo),
@@ -398,7 +416,8 @@ class DecodeStack:
         self._shape = _Shape(self.hidden, heads, kv_heads, head_dim, intermediate,
                              layers[0].k_cache.shape[1], eps,
                              head_dim ** -0.5 if scale is None else scale, softcap or 0.0,
-                             int(act == "gelu_pytorch_tanh"), levels, int_rows, int(invariant))
+                             int(act == "gelu_pytorch_tanh"), levels, int_rows, int(invariant),
+                             storage)
         # a row's activations between the kernels (decode_stack.c); kept across steps, grown
         # as rows grow
         self._row_width = (2 * self.hidden + (2 * heads + 2 * kv_heads) * head_dim

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from conveyor.kernels.bindings import DecodeKernel, RopeKVWrite
+from conveyor.model.kv_cache import quantize, readable
 
 
 @dataclass
@@ -97,8 +98,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: AttentionMetadata, scores: Scores = Scores()) -> torch.Tensor:
     """q: [T, H, D]; k, v: [T, KVH, D], already in the caches ([num_blocks, block_size, KVH,
-    D]; see ``write_kv``). Returns [T, H, D]."""
-    num_blocks, block_size, kv_heads, dim = k_cache.shape
+    D], or int8 head rows: ``kv_cache``; see ``write_kv``). Returns [T, H, D]."""
+    block_size, kv_heads, dim = k_cache.shape[1], k_cache.shape[2], q.shape[2]
     out = torch.empty_like(q)
     groups = q.shape[1] // kv_heads
     for g in meta.decodes:
@@ -111,8 +112,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         # are laid out as that head's "query positions", so GQA needs no repeated K/V.
         n = g.end - g.start
         qd = q[g.start:g.end].view(n, kv_heads, groups, dim)
-        kd = gather_pages(k_cache, g.block_tables).transpose(1, 2)  # [n, KVH, L, D]
-        vd = gather_pages(v_cache, g.block_tables).transpose(1, 2)
+        kd = readable(gather_pages(k_cache, g.block_tables), q.dtype).transpose(1, 2)
+        vd = readable(gather_pages(v_cache, g.block_tables), q.dtype).transpose(1, 2)
         o = attend(qd, kd, vd, meta.mask(g, scores.window, block_size), scores)
         out[g.start:g.end] = o.reshape(n, -1, dim)
     for chunk in meta.prefills:
@@ -121,8 +122,10 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         if chunk.block_ids is None:
             kp, vp = k[chunk.start + first:chunk.end], v[chunk.start + first:chunk.end]
         else:
-            kp = gather_pages(k_cache, chunk.block_ids)[first:chunk.context_len]
-            vp = gather_pages(v_cache, chunk.block_ids)[first:chunk.context_len]
+            kp = readable(gather_pages(k_cache, chunk.block_ids)[first:chunk.context_len],
+                          q.dtype)
+            vp = readable(gather_pages(v_cache, chunk.block_ids)[first:chunk.context_len],
+                          q.dtype)
         kp = kp.transpose(0, 1).unsqueeze(0)
         vp = vp.transpose(0, 1).unsqueeze(0)
         o = attend(qp, kp, vp, meta.mask(chunk, scores.window, block_size), scores, gqa=True)
@@ -151,14 +154,18 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
-    """Each token's K/V into its cache row (the CPU bfloat16 path fuses this with rope)."""
-    kv_heads, dim = k_cache.shape[2:]
-    k_cache.view(-1, kv_heads, dim).index_copy_(0, slot_mapping, k)
-    v_cache.view(-1, kv_heads, dim).index_copy_(0, slot_mapping, v)
+    """Each token's K/V into its cache row, quantized for an int8 cache (the CPU kernels fuse
+    this with rope)."""
+    kv_heads, width = k_cache.shape[2:]
+    if k_cache.dtype == torch.int8:
+        k, v = quantize(k), quantize(v)
+    k_cache.view(-1, kv_heads, width).index_copy_(0, slot_mapping, k)
+    v_cache.view(-1, kv_heads, width).index_copy_(0, slot_mapping, v)
 
 
 def gather_pages(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
-    """The cache rows of the given pages, in order: [*block_ids.shape[:-1], W * block_size, KVH, D].
+    """The cache rows of the given pages, in order: [*block_ids.shape[:-1], W * block_size, KVH,
+    D] (D: the cache's row width).
 
     ``index_select`` on whole pages is faster on the CPU than advanced indexing
     (docs/results/design-notes#page-gather)."""

@@ -100,6 +100,7 @@ def build_app(state: ServerState, ready_message: str = "", api_key: str | None =
                            cpu_isa_reason=cpu.describe(), kernels=engine.runner.kernel_path,
                            load_seconds=round(engine.load_seconds, 3),
                            batch_invariant=engine.config.batch_invariant,
+                           kv_cache_dtype=str(engine.kv_dtype).removeprefix("torch."),
                            tensor_parallel_size=engine.config.tensor_parallel_size)
 
     def card(name: str) -> ModelCard:

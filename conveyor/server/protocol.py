@@ -477,6 +477,7 @@ class VersionInfo(BaseModel):
     kernels: str         # which path the model runs, and why
     load_seconds: float  # the model's load: file, weights placed for the kernels, kernels built
     batch_invariant: bool  # a request's tokens independent of its batch (--batch-invariant)
+    kv_cache_dtype: str  # what the KV cache stores: the model dtype or int8 (--kv-cache-dtype)
     tensor_parallel_size: int  # ranks each replica's layers are split across
 
 

@@ -18,6 +18,7 @@ from conveyor.model.attention import AttentionMetadata, DecodeGroup, PrefillChun
 from conveyor.model.backend import apply_backend
 from conveyor.model.config import ModelConfig
 from conveyor.model.families import network
+from conveyor.model.kv_cache import head_bytes, head_width
 from conveyor.model.rope import longrope_switch, model_rope_tables
 from conveyor.worker.sampler import GrammarMask, Sampler, SampleResult, ranked_logprobs
 from conveyor.worker.sharding import ffn_granule, kv_heads_per_rank, plan_shards, shard_model
@@ -40,12 +41,13 @@ class StepResult:
     pooled: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
-def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype,
+def kv_bytes_per_block(config: ModelConfig, block_size: int, kv_dtype: torch.dtype,
                        tensor_parallel_size: int = 1) -> int:
-    """A page's bytes, over all tensor-parallel ranks (a replicated KV head counts on each)."""
-    elem = torch.tensor([], dtype=dtype).element_size()
+    """A page's bytes in caches of ``kv_dtype`` (``kv_cache.kv_storage``), over all
+    tensor-parallel ranks (a replicated KV head counts on each)."""
     kv_heads = sum(kv_heads_per_rank(config, tensor_parallel_size))
-    return 2 * config.num_layers * block_size * kv_heads * config.head_dim * elem
+    return (2 * config.num_layers * block_size * kv_heads
+            * head_bytes(config.head_dim, kv_dtype))
 
 
 class ModelRunner:
@@ -54,8 +56,10 @@ class ModelRunner:
                  max_model_len: int, seed: int,
                  quantized: dict[str, QuantizedWeight] | None = None,
                  tensor_parallel: TensorParallel | None = None,
-                 activation_quant: str = "none", batch_invariant: bool = False) -> None:
+                 activation_quant: str = "none", batch_invariant: bool = False,
+                 kv_dtype: torch.dtype | None = None) -> None:
         """quantized: the GGUF's block-quantized matrices, read by the CPU kernel at small M.
+        kv_dtype: the caches' (``kv_cache.kv_storage``; None: the model dtype).
         tensor_parallel: this rank's group; the runner then holds the rank's shard.
         activation_quant: the block linears' inputs as integers (EngineConfig's);
         batch_invariant: each row's result independent of the step's other rows
@@ -80,9 +84,11 @@ class ModelRunner:
                                  f"{describe(device, dtype, config.head_dim, kernels)}")
         with torch.device("meta"):
             self.model = network(config)(config, head_rows)
-        shape = (num_blocks, block_size, config.num_kv_heads, config.head_dim)
-        self.kv_caches = [(huge_pages.zeros(shape, dtype, device),
-                           huge_pages.zeros(shape, dtype, device))
+        kv_dtype = kv_dtype or dtype
+        shape = (num_blocks, block_size, config.num_kv_heads,
+                 head_width(config.head_dim, kv_dtype))
+        self.kv_caches = [(huge_pages.zeros(shape, kv_dtype, device),
+                           huge_pages.zeros(shape, kv_dtype, device))
                           for _ in range(config.num_layers)]
         apply_backend(self.model, weights, quantized or {}, dtype=dtype, device=device,
                       kernels=kernels, kv_caches=self.kv_caches,

@@ -21,6 +21,7 @@ from conveyor.kernels.blocks import QuantizedWeight
 from conveyor.kernels.library import BF16_HEAD_DIMS, cpu_kernels, kernels_at
 from conveyor.model.attention import gather_pages, write_kv
 from conveyor.model.config import ModelConfig
+from conveyor.model.kv_cache import dequantize, quantize
 from conveyor.model.model import Linear, RMSNorm
 from conveyor.model.rope import apply_rope, rope_tables
 
@@ -147,6 +148,47 @@ def test_decode_attention_window_scale_and_softcap(tier, dtype, window):
 
 
 @pytest.mark.parametrize("tier,dtype", CASES)
+@pytest.mark.parametrize("heads,kv_heads,dim,block_size", [
+    (9, 3, 64, 16), (32, 8, 128, 16), (4, 4, 64, 8), (4, 1, 256, 16), (4, 2, 16, 16)])
+def test_decode_attention_reads_int8_caches(tier, dtype, heads, kv_heads, dim, block_size):
+    """An int8 cache (--kv-cache-dtype int8) read in place: the same attention as over its
+    values widened (each head row's scale applied), alone and in a batch, windowed and capped;
+    heads of very different sizes, so that a scale dropped or taken from the wrong head or
+    token fails."""
+    if dtype == BF16 and dim not in BF16_HEAD_DIMS:
+        pytest.skip(f"the bfloat16 kernel is specialised for head_dim {BF16_HEAD_DIMS}")
+    kernel = built(tier, dtype, dim).decode_attention
+    gen = torch.Generator().manual_seed(dim + heads + block_size)
+    num_blocks = 48
+    sizes = torch.exp(torch.randn(num_blocks, block_size, kv_heads, 1, generator=gen))
+    k8, v8 = (quantize(torch.randn(num_blocks, block_size, kv_heads, dim, generator=gen) * sizes)
+              for _ in range(2))
+    k, v = dequantize(k8, F32), dequantize(v8, F32)
+    lens = torch.tensor([1, block_size + 1, 3 * block_size - 5, 5 * block_size + 7, 2],
+                        dtype=torch.int32)
+    width = int((lens.max() + block_size - 1) // block_size)
+    tables = torch.randperm(num_blocks, generator=gen)[:len(lens) * width].view(len(lens), width)
+    tables = tables.to(torch.int32)
+    q = torch.randn(len(lens), heads, dim, generator=gen).to(dtype)
+    out = torch.full_like(q, float("nan"))
+    tolerance = close(dtype, dict(atol=3e-2, rtol=2e-2), dict(atol=1e-4, rtol=1e-4))
+    for rows in (slice(None), slice(3, 4)):
+        kernel(q[rows], k8, v8, tables[rows], lens[rows], out[rows])
+        torch.testing.assert_close(out[rows].float(), reference(q[rows], k, v, tables[rows],
+                                                                lens[rows]), **tolerance)
+    window, scale, cap = 21, 0.2, 3.0
+    kernel(q, k8, v8, tables, lens, out, scale=scale, window=window, softcap=cap)
+    keys_of, values_of = gather_pages(k, tables.long()), gather_pages(v, tables.long())
+    head_of = torch.arange(heads) // (heads // kv_heads)
+    for i, n in enumerate(lens.tolist()):
+        keys = slice(max(0, n - window), n)
+        s = torch.einsum("hd,thd->ht", q[i].float(), keys_of[i, keys][:, head_of]) * scale
+        p = torch.softmax(torch.tanh(s / cap) * cap, dim=-1)
+        want = torch.einsum("ht,thd->hd", p, values_of[i, keys][:, head_of])
+        torch.testing.assert_close(out[i].float(), want, **tolerance)
+
+
+@pytest.mark.parametrize("tier,dtype", CASES)
 @pytest.mark.parametrize("rows", [1, 3, 64])
 @pytest.mark.parametrize("with_residual", [True, False])
 def test_add_rms_norm_matches_rmsnorm(tier, dtype, rows, with_residual):
@@ -246,6 +288,36 @@ def test_rope_kv_write_matches_apply_rope_and_write_kv(tier, dtype, heads, kv_he
     # Bit for bit, in both dtypes: the same two roundings of the products, then the sum's.
     assert torch.equal(qk, qk_ref)
     assert torch.equal(caches[2], caches[0]) and torch.equal(caches[3], caches[1])
+
+
+@pytest.mark.parametrize("tier,dtype", CASES)
+def test_rope_kv_write_quantizes_int8_caches_as_write_kv(tier, dtype):
+    """Into int8 caches the kernel writes each head row as kv_cache.quantize does: the same
+    scales, and values at most one step apart (a quotient at a half step may round either
+    way); rows it was not given stay zero."""
+    heads, kv_heads, dim, tokens = 9, 3, 64, 37
+    kernels = built(tier, dtype, dim)
+    gen = torch.Generator().manual_seed(7)
+    qkv = (torch.randn(tokens, heads + 2 * kv_heads, dim, generator=gen)
+           * torch.exp(torch.randn(tokens, heads + 2 * kv_heads, 1, generator=gen))).to(dtype)
+    qkv[3, heads] = 0  # a head of zeros: scale 0
+    cos = torch.ones(tokens, 1, dim, dtype=dtype)  # no rotation: k as it is
+    sin = torch.zeros(tokens, 1, dim, dtype=dtype)
+    slots = torch.randperm(8 * 16, generator=gen)[:tokens]
+    caches = [torch.zeros(8, 16, kv_heads, dim + 4, dtype=torch.int8) for _ in range(4)]
+    write_kv(qkv[:, heads:heads + kv_heads], qkv[:, heads + kv_heads:], caches[0], caches[1],
+             slots)
+    kernels.rope_kv_write(qkv[:, :heads + kv_heads], qkv[:, heads + kv_heads:], cos, sin, slots,
+                          caches[2], caches[3])
+    for want, got in ((caches[0], caches[2]), (caches[1], caches[3])):
+        assert torch.equal(got[..., dim:], want[..., dim:])  # the scales' bytes
+        assert (got[..., :dim].int() - want[..., :dim].int()).abs().max() <= 1
+        torch.testing.assert_close(dequantize(got, F32), dequantize(want, F32), rtol=0,
+                                   atol=float(dequantize(want, F32).abs().max()) / 127 + 1e-6)
+    assert dequantize(caches[2], F32).view(-1, kv_heads, dim)[slots[3], 0].abs().max() == 0
+    unwritten = torch.ones(8 * 16, dtype=torch.bool)
+    unwritten[slots] = False
+    assert not caches[2].view(8 * 16, -1)[unwritten].any()
 
 
 def random_blocks(qtype, n: int, k: int):
@@ -431,18 +503,19 @@ def block_linear_rows(model) -> int:
                if isinstance(m, Linear) and m.quant_linear is not None)
 
 
-@pytest.mark.parametrize("mode", ["none", "int8"])
-def test_decode_stack_matches_the_layers(monkeypatch, default_gguf_path, native_dtype, mode):
+@pytest.mark.parametrize("mode,kv", [("none", "auto"), ("int8", "auto"), ("none", "int8")])
+def test_decode_stack_matches_the_layers(monkeypatch, default_gguf_path, native_dtype, mode, kv):
     """Each step, the prompts' (their tokens as queries of their own, causal by context length)
     and then a few decodes', runs through both the one-call stack and the layers one by one, on
     the same inputs: the same hidden states up to rare one-step bfloat16 differences (SiLU's
     float32 exp and division, as C and PyTorch compute them, can round apart), or float32's.
-    With int8 activations, as many decodes as its integer linears take."""
+    With int8 activations, as many decodes as its integer linears take; with an int8 KV cache,
+    both read the same quantized rows."""
     from conveyor import LLM, SamplingParams
     from conveyor.model.model import Transformer
 
     llm = LLM(model=default_gguf_path, dtype=str(native_dtype).removeprefix("torch."),
-              max_num_seqs=8, activation_quant=mode)
+              max_num_seqs=8, activation_quant=mode, kv_cache_dtype=kv)
     assert llm.engine.runner.model.decode_stack is not None
     forward, compared = Transformer.forward, []
 

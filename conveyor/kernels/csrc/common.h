@@ -100,6 +100,37 @@ static inline void elem_store(void *p, int64_t i, float v, int bf16) {
 
 static inline float round_to(float v, int bf16) { return bf16 ? bf16_load(bf16_store(v)) : v; }
 
+/* The KV cache's storage (kv_type): KV_MODEL, the model dtype; KV_INT8, each token's head a row
+ * of head_dim int8 values and then its float32 scale (value = scale * int), as
+ * model/kv_cache.py writes and reads them. */
+enum { KV_MODEL = 0, KV_INT8 = 1 };
+#define KV_SCALE_BYTES 4
+
+/* Bytes of one token's head in a cache. */
+static inline int64_t kv_head_bytes(int dim, int kv_type, int bf16) {
+    return kv_type == KV_INT8 ? dim + KV_SCALE_BYTES : (int64_t)dim * (bf16 ? 2 : 4);
+}
+
+/* The scale of an int8 head row (at its end: memcpy, as it need not be aligned). */
+static inline float kv_scale(const void *head, int dim) {
+    float s;
+    memcpy(&s, (const char *)head + dim, sizeof s);
+    return s;
+}
+
+/* x (dim values of the model dtype) as an int8 head row: scale = max |x| / 127 (as a product
+ * with 1/127 in float32, which fast math leaves as it is), each value rounded to the nearest
+ * step (an all-zero head: scale 0, zeros). */
+static inline void kv_quantize(const void *x, int64_t at, int dim, int bf16, void *row) {
+    float top = 0.0f;
+    for (int i = 0; i < dim; i++) top = fmaxf(top, fabsf(elem_load(x, at + i, bf16)));
+    const float scale = top * (1.0f / 127.0f);
+    int8_t *q = row;
+    for (int i = 0; i < dim; i++)
+        q[i] = scale > 0.0f ? (int8_t)nearbyintf(elem_load(x, at + i, bf16) / scale) : 0;
+    memcpy(q + dim, &scale, sizeof scale);
+}
+
 /* The shared bodies are inlined into each dtype's entry point. */
 #define ALWAYS_INLINE inline __attribute__((always_inline))
 

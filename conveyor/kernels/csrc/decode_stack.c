@@ -40,7 +40,7 @@ typedef struct Layer {
     const void *attention_norm, *ffn_norm;  /* [hidden] */
     Matrix wqkv, wo, w13, w2;
     const void *qkv_bias;                   /* [qkv] or NULL */
-    void *k_cache, *v_cache;                /* [blocks, block_size, kv_heads, dim] */
+    void *k_cache, *v_cache;                /* [blocks, block_size, kv_heads, dim] (kv_type) */
     int32_t window;                         /* its sliding window's tokens; 0: none */
     int32_t rope;                           /* its rope table: 0, or 1 (the local one) */
     const void *q_norm, *k_norm;            /* [dim] or NULL */
@@ -54,6 +54,7 @@ typedef struct Shape {
     int levels, int_rows;                   /* --activation-quant: a step of at most int_rows
                                                rows on the integer linears (levels 0: none) */
     int invariant;                          /* --batch-invariant: the linears' (quant_linear) */
+    int kv_type;                            /* the caches' storage (common.h) */
 } Shape;
 
 /* y = x m^T (+ bias): each run's block linear into its columns of y. */
@@ -114,11 +115,12 @@ static ALWAYS_INLINE int decode_stack(const Layer *layers, int num_layers, const
                          s->dim, s->kv_heads, s->dim, s->eps, 1);
             }
         BY_DTYPE(rope_kv_write, t_qkv, qkv, t_qkv + elem * (q + kv), qkv, cos[l->rope],
-                 sin[l->rope], s->dim, slots, l->k_cache, l->v_cache, rows, s->heads,
-                 s->kv_heads, s->dim, threads);
-        rc = BY_DTYPE(paged_decode_attention, t_qkv, qkv, l->k_cache, l->v_cache, block_tables,
-                      table_stride, context_lens, o, q, rows, s->heads, s->kv_heads, s->dim,
-                      s->block_size, s->scale, l->window, s->softcap, threads);
+                 sin[l->rope], s->dim, slots, l->k_cache, l->v_cache, s->kv_type, rows,
+                 s->heads, s->kv_heads, s->dim, threads);
+        rc = BY_DTYPE(paged_decode_attention, t_qkv, qkv, l->k_cache, l->v_cache, s->kv_type,
+                      block_tables, table_stride, context_lens, o, q, rows, s->heads,
+                      s->kv_heads, s->dim, s->block_size, s->scale, l->window, s->softcap,
+                      threads);
         if (rc) break;
         rc = matrix_linear(o, q, &l->wo, NULL, a, hid, rows, q, s, threads, bf16);
         if (rc) break;

@@ -26,10 +26,11 @@ void add_rms_norm_##T(const E *x, int64_t x_stride, E *residual, const E *weight
 void silu_mul_##T(E *gu, int64_t stride, int rows, int inter, int threads); \
 void gelu_tanh_mul_##T(E *gu, int64_t stride, int rows, int inter, int threads); \
 void rope_kv_write_##T(E *qk, int64_t qk_stride, const E *v, int64_t v_stride, const E *cos, \
-                       const E *sin, int64_t cs_stride, const int64_t *slots, E *k_cache, \
-                       E *v_cache, int tokens, int heads, int kv_heads, int dim, int threads); \
-int paged_decode_attention_##T(const E *q, int64_t q_stride, const E *k_cache, \
-                               const E *v_cache, const int32_t *block_tables, \
+                       const E *sin, int64_t cs_stride, const int64_t *slots, void *k_cache, \
+                       void *v_cache, int kv_type, int tokens, int heads, int kv_heads, int dim, \
+                       int threads); \
+int paged_decode_attention_##T(const E *q, int64_t q_stride, const void *k_cache, \
+                               const void *v_cache, int kv_type, const int32_t *block_tables, \
                                int64_t table_stride, const int32_t *context_lens, E *out, \
                                int64_t out_stride, int n, int num_heads, int num_kv_heads, \
                                int head_dim, int block_size, float scale, int window, \

@@ -12,6 +12,9 @@
  * output in registers, 8 dimensions a vector, while the tokens stream past. Whole requests a
  * item read each token's row front to back (SmolLM2, 32 requests of 300 tokens: 0.81-0.88x
  * the time of an item a KV head). head_dim: any multiple of 8 up to 256.
+ *
+ * An int8 cache (common.h's KV_INT8) is read as it lies: 8 values widened to float32 a load,
+ * a token's K scale applied to its score and its V scale to its softmax weight.
  */
 #include <float.h>
 #include <immintrin.h>
@@ -55,27 +58,35 @@ static inline __m256 sum8(const __m256 *a) {
                          _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 
-static inline void prefetch_row(const float *r, int lines) {
+static inline void prefetch_row(const char *r, int lines) {
     for (int i = 0; i < lines; i++) _mm_prefetch((const char *)r + 64 * i, _MM_HINT_T0);
+}
+
+/* 8 values of a cached head row from p on, as float32 (int8 rows: q8). */
+static ALWAYS_INLINE __m256 load8(const char *p, int q8) {
+    return q8 ? _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)))
+              : _mm256_loadu_ps((const float *)p);
 }
 
 /* One request and `heads` consecutive KV heads (the caches offset to the first; their slices of
  * a token's row are adjacent, so rows are read front to back), each with its `group` query
  * heads at q: scores against every cached token, softmax, weighted sum of values into out.
- * at: each token's row offset in either cache (elements; see paged_decode_attention_f32);
- * scores: [heads * group][len rounded up to TILE] of scratch; zero: a row of zeros past len. */
-static ALWAYS_INLINE void attend(const float *q, const float *k_cache, const float *v_cache,
+ * at: each token's row offset in either cache (bytes; see paged_decode_attention_f32);
+ * scores: [heads * group][len rounded up to TILE] of scratch; zero: a row of zeros past len.
+ * q8: int8 head rows of `dim` + KV_SCALE_BYTES bytes (else float32 ones). */
+static ALWAYS_INLINE void attend(const float *q, const char *k_cache, const char *v_cache,
                                   const int64_t *at, int len, int skip, float *out, int heads,
                                   int group, const int dim, float scale, float cap,
-                                  const float *zero, float *scores) {
+                                  const char *zero, float *scores, const int q8) {
     const int nv = dim / 8, nq = heads * group, padded = (len + TILE - 1) / TILE * TILE;
-    const int lines = (heads * dim * 4 + 63) / 64;  /* of a token's row of these heads */
+    const int head = q8 ? dim + KV_SCALE_BYTES : 4 * dim, step = q8 ? 8 : 32;
+    const int lines = (heads * head + 63) / 64;  /* of a token's row of these heads */
     const __m256 vscale = _mm256_set1_ps(scale);
     /* pages lie anywhere in the pool: rows are asked for by hand AHEAD tiles before the
      * products read them (K's; past the end, V's first ones, as the next pass reads them) */
     for (int t = 0; t < AHEAD * TILE && t < len; t++) prefetch_row(k_cache + at[t], lines);
     for (int t0 = 0; t0 < len; t0 += TILE) {
-        const float *k[TILE];
+        const char *k[TILE];
         for (int t = 0; t < TILE; t++) k[t] = t0 + t < len ? k_cache + at[t0 + t] : zero;
         for (int t = t0 + AHEAD * TILE; t < t0 + (AHEAD + 1) * TILE; t++)
             if (t < len)
@@ -87,15 +98,21 @@ static ALWAYS_INLINE void attend(const float *q, const float *k_cache, const flo
              * hoists all the loads out of the loop and spills them to the stack */
             __asm__ volatile("" ::: "memory");
             const float *qj = q + j * dim;
-            const int kd = j / group * dim;
+            const int kd = j / group * head;
             __m256 acc[TILE];
             for (int t = 0; t < TILE; t++) acc[t] = _mm256_setzero_ps();
             for (int v = 0; v < nv; v++) {
                 const __m256 qv = _mm256_loadu_ps(qj + 8 * v);
                 for (int t = 0; t < TILE; t++)
-                    acc[t] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[t] + kd + 8 * v), acc[t]);
+                    acc[t] = _mm256_fmadd_ps(qv, load8(k[t] + kd + step * v, q8), acc[t]);
             }
-            _mm256_storeu_ps(scores + j * padded + t0, _mm256_mul_ps(sum8(acc), vscale));
+            __m256 sc = _mm256_mul_ps(sum8(acc), vscale);
+            if (q8)  /* (a zero row's scale is 0) */
+                sc = _mm256_mul_ps(sc, _mm256_setr_ps(
+                    kv_scale(k[0] + kd, dim), kv_scale(k[1] + kd, dim), kv_scale(k[2] + kd, dim),
+                    kv_scale(k[3] + kd, dim), kv_scale(k[4] + kd, dim), kv_scale(k[5] + kd, dim),
+                    kv_scale(k[6] + kd, dim), kv_scale(k[7] + kd, dim)));
+            _mm256_storeu_ps(scores + j * padded + t0, sc);
         }
     }
     for (int j = 0; j < nq; j++) {
@@ -116,18 +133,18 @@ static ALWAYS_INLINE void attend(const float *q, const float *k_cache, const flo
             total = _mm256_add_ps(total, p);
         }
         const __m256 inv = _mm256_set1_ps(1.0f / hsum8(total));
-        const float *vh = v_cache + j / group * dim;
+        const char *vh = v_cache + j / group * head;
         for (int v0 = 0; v0 < nv; v0 += MAXV) {  /* dimensions 8 v0 .. in registers */
             const int nc = nv - v0 < MAXV ? nv - v0 : MAXV;
             __m256 acc[MAXV];
             for (int v = 0; v < nc; v++) acc[v] = _mm256_setzero_ps();
             for (int t = 0; t < len; t++) {
-                const float *vr = vh + at[t] + 8 * v0;
+                const char *vr = vh + at[t] + step * v0;
                 if (j == 0 && v0 == 0 && t + AHEAD * TILE < len)  /* the whole row, once */
                     prefetch_row(v_cache + at[t + AHEAD * TILE], lines);
-                const __m256 p = _mm256_broadcast_ss(s + t);
+                const __m256 p = _mm256_set1_ps(q8 ? s[t] * kv_scale(vh + at[t], dim) : s[t]);
                 for (int v = 0; v < nc; v++)
-                    acc[v] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vr + 8 * v), acc[v]);
+                    acc[v] = _mm256_fmadd_ps(p, load8(vr + step * v, q8), acc[v]);
             }
             for (int v = 0; v < nc; v++)
                 _mm256_storeu_ps(out + j * dim + 8 * (v0 + v), _mm256_mul_ps(acc[v], inv));
@@ -136,19 +153,20 @@ static ALWAYS_INLINE void attend(const float *q, const float *k_cache, const flo
 }
 
 /* q: row i, head j at q[i * q_stride + j * head_dim]; caches: [num_blocks, block_size,
- * num_kv_heads, head_dim]; block_tables: [n, table_stride] int32; context_lens: [n] int32
- * (tokens to attend to, the new one included, its K/V already written); out like q; window:
- * the tokens a query attends to at most (0: all), cap: the scores' soft cap (0: none).
+ * num_kv_heads, head_dim] of float32, or of int8 head rows (kv_type, common.h); block_tables:
+ * [n, table_stride] int32; context_lens: [n] int32 (tokens to attend to, the new one included,
+ * its K/V already written); out like q; window: the tokens a query attends to at most (0: all),
+ * cap: the scores' soft cap (0: none).
  * Returns 0; -1 for a head_dim it does not take; -2 if scratch memory could not be had. */
-int paged_decode_attention_f32(const float *q, int64_t q_stride, const float *k_cache,
-                               const float *v_cache, const int32_t *block_tables,
+int paged_decode_attention_f32(const float *q, int64_t q_stride, const void *k_cache,
+                               const void *v_cache, int kv_type, const int32_t *block_tables,
                                int64_t table_stride, const int32_t *context_lens, float *out,
                                int64_t out_stride, int n, int num_heads, int num_kv_heads,
                                int head_dim, int block_size, float scale, int window,
                                float cap, int threads) {
     if (head_dim % 8 != 0 || head_dim > 256) return -1;
     const int group = num_heads / num_kv_heads;
-    const int64_t row = (int64_t)num_kv_heads * head_dim;
+    const int64_t head = kv_head_bytes(head_dim, kv_type, 0), row = num_kv_heads * head;
     int longest = 1, failed = 0;
     for (int i = 0; i < n; i++) longest = context_lens[i] > longest ? context_lens[i] : longest;
     const size_t padded = (size_t)(longest + TILE - 1) / TILE * TILE;
@@ -156,7 +174,7 @@ int paged_decode_attention_f32(const float *q, int64_t q_stride, const float *k_
      * them to go round the threads (each row is then read front to back); with few requests,
      * one KV head per item instead. */
     float zero[ZERO_ROW] = {0};  /* the rows past a context's end: up to ZERO_ROW floats */
-    const int split = n >= 2 * threads && row <= ZERO_ROW ? 1 : num_kv_heads;
+    const int split = n >= 2 * threads && row <= (int64_t)sizeof zero ? 1 : num_kv_heads;
     const int per = num_kv_heads / split;
     #pragma omp parallel num_threads(threads)
     {
@@ -182,19 +200,28 @@ int paged_decode_attention_f32(const float *q, int64_t q_stride, const float *k_
                 }
                 have = i;
             }
-            const int64_t qoff = (int64_t)h * group * head_dim, kv = (int64_t)h * head_dim;
-            const float *qi = q + i * q_stride + qoff, *ki = k_cache + kv, *vi = v_cache + kv;
+            const int64_t qoff = (int64_t)h * group * head_dim, kv = h * head;
+            const float *qi = q + i * q_stride + qoff;
+            const char *ki = (const char *)k_cache + kv, *vi = (const char *)v_cache + kv;
+            const char *z = (const char *)zero;
             float *oi = out + i * out_stride + qoff;
             /* the common head sizes as constants, so the loops over a row unroll into
              * registers (a runtime size left the sums in memory:
              * docs/results/design-notes#head-dim-constants) */
-            if (head_dim == 64)
-                attend(qi, ki, vi, at, len, skip, oi, per, group, 64, scale, cap, zero, scores);
+            if (kv_type == KV_INT8 && head_dim == 64)
+                attend(qi, ki, vi, at, len, skip, oi, per, group, 64, scale, cap, z, scores, 1);
+            else if (kv_type == KV_INT8 && head_dim == 128)
+                attend(qi, ki, vi, at, len, skip, oi, per, group, 128, scale, cap, z, scores, 1);
+            else if (kv_type == KV_INT8)
+                attend(qi, ki, vi, at, len, skip, oi, per, group, head_dim, scale, cap, z, scores,
+                       1);
+            else if (head_dim == 64)
+                attend(qi, ki, vi, at, len, skip, oi, per, group, 64, scale, cap, z, scores, 0);
             else if (head_dim == 128)
-                attend(qi, ki, vi, at, len, skip, oi, per, group, 128, scale, cap, zero, scores);
+                attend(qi, ki, vi, at, len, skip, oi, per, group, 128, scale, cap, z, scores, 0);
             else
-                attend(qi, ki, vi, at, len, skip, oi, per, group, head_dim, scale, cap, zero,
-                       scores);
+                attend(qi, ki, vi, at, len, skip, oi, per, group, head_dim, scale, cap, z, scores,
+                       0);
         }
         free(at);
     }

@@ -13,45 +13,53 @@
 
 #include "common.h"
 
-/* One query head against its KV head's cached rows (the caches offset to that head), the first
- * `skip` of them outside its window. */
-static void attend(const float *q, const float *k_cache, const float *v_cache,
-                   const int32_t *table, int len, int skip, float *out, int dim, int64_t row,
-                   int block_size, float scale, float cap, float *scores) {
+/* Element d of a cached head row, times its scale (int8 rows: see common.h). */
+static inline float kv_value(const char *head, int d, int q8) {
+    return q8 ? ((const int8_t *)head)[d] : ((const float *)head)[d];
+}
+
+/* One query head against its KV head's cached rows (the caches offset to that head; `row`
+ * bytes a token), the first `skip` of them outside its window. */
+static ALWAYS_INLINE void attend(const float *q, const char *k_cache, const char *v_cache,
+                                 const int32_t *table, int len, int skip, float *out, int dim,
+                                 int64_t row, int block_size, float scale, float cap,
+                                 float *scores, int q8) {
     float top = -FLT_MAX, total = 0.0f;
     for (int t = skip; t < len; t++) {
-        const float *k = k_cache + ((int64_t)table[t / block_size] * block_size + t % block_size)
-                         * row;
+        const char *k = k_cache + ((int64_t)table[t / block_size] * block_size
+                                   + t % block_size) * row;
         float s = 0.0f;
-        for (int d = 0; d < dim; d++) s += q[d] * k[d];
-        scores[t] = s * scale;
+        for (int d = 0; d < dim; d++) s += q[d] * kv_value(k, d, q8);
+        scores[t] = s * scale * (q8 ? kv_scale(k, dim) : 1.0f);
     }
     soft_cap(scores + skip, len - skip, cap);
     for (int t = skip; t < len; t++) top = scores[t] > top ? scores[t] : top;
     for (int d = 0; d < dim; d++) out[d] = 0.0f;
     for (int t = skip; t < len; t++) {
         const float p = expf(scores[t] - top);
-        const float *v = v_cache + ((int64_t)table[t / block_size] * block_size + t % block_size)
-                         * row;
+        const char *v = v_cache + ((int64_t)table[t / block_size] * block_size
+                                   + t % block_size) * row;
+        const float pv = q8 ? p * kv_scale(v, dim) : p;
         total += p;
-        for (int d = 0; d < dim; d++) out[d] += p * v[d];
+        for (int d = 0; d < dim; d++) out[d] += pv * kv_value(v, d, q8);
     }
     for (int d = 0; d < dim; d++) out[d] /= total;
 }
 
 /* q: row i, head j at q[i * q_stride + j * head_dim]; caches: [num_blocks, block_size,
- * num_kv_heads, head_dim]; block_tables: [n, table_stride] int32; context_lens: [n] int32
- * (tokens to attend to, the new one included, its K/V already written); out like q; window:
+ * num_kv_heads, head_dim] of float32, or of int8 head rows (kv_type, common.h); block_tables:
+ * [n, table_stride] int32; context_lens: [n] int32 (tokens to attend to, the new one included,
+ * its K/V already written); out like q; window:
  * the tokens a query attends to at most (0: all), cap: the scores' soft cap (0: none).
  * Returns 0, or -2 if scratch memory could not be allocated. */
-int paged_decode_attention_f32(const float *q, int64_t q_stride, const float *k_cache,
-                               const float *v_cache, const int32_t *block_tables,
+int paged_decode_attention_f32(const float *q, int64_t q_stride, const void *k_cache,
+                               const void *v_cache, int kv_type, const int32_t *block_tables,
                                int64_t table_stride, const int32_t *context_lens, float *out,
                                int64_t out_stride, int n, int num_heads, int num_kv_heads,
                                int head_dim, int block_size, float scale, int window,
                                float cap, int threads) {
     const int group = num_heads / num_kv_heads;
-    const int64_t row = (int64_t)num_kv_heads * head_dim;
+    const int64_t head = kv_head_bytes(head_dim, kv_type, 0), row = num_kv_heads * head;
     int longest = 1, failed = 0;
     for (int i = 0; i < n; i++) longest = context_lens[i] > longest ? context_lens[i] : longest;
     #pragma omp parallel num_threads(threads)
@@ -65,13 +73,19 @@ int paged_decode_attention_f32(const float *q, int64_t q_stride, const float *k_
                 failed = 1;
                 continue;
             }
-            const int64_t kv = (int64_t)(j / group) * head_dim;
+            const int64_t kv = (int64_t)(j / group) * head;
             const int32_t *table = block_tables + i * table_stride;
             int len = context_lens[i];
             const int skip = window_pages(window, block_size, &table, &len);
-            attend(q + i * q_stride + j * head_dim, k_cache + kv, v_cache + kv, table, len, skip,
-                   out + i * out_stride + j * head_dim, head_dim, row, block_size, scale, cap,
-                   scores);
+            const float *qj = q + i * q_stride + j * head_dim;
+            const char *kj = (const char *)k_cache + kv, *vj = (const char *)v_cache + kv;
+            float *oj = out + i * out_stride + j * head_dim;
+            if (kv_type == KV_INT8)
+                attend(qj, kj, vj, table, len, skip, oj, head_dim, row, block_size, scale, cap,
+                       scores, 1);
+            else
+                attend(qj, kj, vj, table, len, skip, oj, head_dim, row, block_size, scale, cap,
+                       scores, 0);
         }
         free(scores);
     }

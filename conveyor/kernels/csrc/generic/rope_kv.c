@@ -12,14 +12,16 @@
 
 /* qk: [tokens, heads + kv_heads, dim] (row stride qk_stride, heads packed), rotated in place;
  * v: [tokens, kv_heads, dim] (row stride v_stride); cos, sin: [tokens, dim] (row stride
- * cs_stride); slots: [tokens] rows of the caches, which are [rows, kv_heads, dim]. */
+ * cs_stride); slots: [tokens] rows of the caches, which are [rows, kv_heads, dim] of the model
+ * dtype, or of int8 head rows (kv_type KV_INT8, common.h). */
 static ALWAYS_INLINE void rope_kv_write(void *qk, int64_t qk_stride, const void *v,
                                         int64_t v_stride, const void *cos, const void *sin,
                                         int64_t cs_stride, const int64_t *slots, void *k_cache,
-                                        void *v_cache, int tokens, int heads, int kv_heads,
-                                        int dim, int threads, int bf16) {
+                                        void *v_cache, int kv_type, int tokens, int heads,
+                                        int kv_heads, int dim, int threads, int bf16) {
     const int half = dim / 2;
-    const size_t elem = bf16 ? 2 : 4, kv_row = elem * kv_heads * dim;
+    const size_t elem = bf16 ? 2 : 4, head_bytes = kv_head_bytes(dim, kv_type, bf16);
+    const size_t kv_row = head_bytes * kv_heads;
     #pragma omp parallel for schedule(static) num_threads(threads) if (tokens >= 4 * threads)
     for (int t = 0; t < tokens; t++) {
         const int64_t row = t * qk_stride, c = t * cs_stride;
@@ -37,24 +39,32 @@ static ALWAYS_INLINE void rope_kv_write(void *qk, int64_t qk_stride, const void 
                            + round_to(rolled * sf[i], bf16), bf16);
             }
         }
-        const int64_t at = slots[t] * kv_row;
-        memcpy((char *)k_cache + at, (const char *)qk + elem * (row + heads * dim), kv_row);
-        memcpy((char *)v_cache + at, (const char *)v + elem * t * v_stride, kv_row);
+        char *k_row = (char *)k_cache + slots[t] * kv_row;
+        char *v_row = (char *)v_cache + slots[t] * kv_row;
+        if (kv_type == KV_INT8) {
+            for (int h = 0; h < kv_heads; h++) {
+                kv_quantize(qk, row + (heads + h) * dim, dim, bf16, k_row + h * head_bytes);
+                kv_quantize(v, t * v_stride + h * dim, dim, bf16, v_row + h * head_bytes);
+            }
+        } else {
+            memcpy(k_row, (const char *)qk + elem * (row + heads * dim), kv_row);
+            memcpy(v_row, (const char *)v + elem * t * v_stride, kv_row);
+        }
     }
 }
 
 void rope_kv_write_f32(float *qk, int64_t qk_stride, const float *v, int64_t v_stride,
                        const float *cos, const float *sin, int64_t cs_stride,
-                       const int64_t *slots, float *k_cache, float *v_cache, int tokens,
-                       int heads, int kv_heads, int dim, int threads) {
+                       const int64_t *slots, void *k_cache, void *v_cache, int kv_type,
+                       int tokens, int heads, int kv_heads, int dim, int threads) {
     rope_kv_write(qk, qk_stride, v, v_stride, cos, sin, cs_stride, slots, k_cache, v_cache,
-                  tokens, heads, kv_heads, dim, threads, 0);
+                  kv_type, tokens, heads, kv_heads, dim, threads, 0);
 }
 
 void rope_kv_write_bf16(uint16_t *qk, int64_t qk_stride, const uint16_t *v, int64_t v_stride,
                         const uint16_t *cos, const uint16_t *sin, int64_t cs_stride,
-                        const int64_t *slots, uint16_t *k_cache, uint16_t *v_cache, int tokens,
-                        int heads, int kv_heads, int dim, int threads) {
+                        const int64_t *slots, void *k_cache, void *v_cache, int kv_type,
+                        int tokens, int heads, int kv_heads, int dim, int threads) {
     rope_kv_write(qk, qk_stride, v, v_stride, cos, sin, cs_stride, slots, k_cache, v_cache,
-                  tokens, heads, kv_heads, dim, threads, 1);
+                  kv_type, tokens, heads, kv_heads, dim, threads, 1);
 }
