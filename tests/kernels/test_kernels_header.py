@@ -38,8 +38,8 @@ def test_signatures_expand_the_dtype_macro_and_map_the_c_types():
     assert sigs["quant_linear_f32"] == sigs["quant_linear_bf16"]
     argtypes, restype = sigs["paged_decode_attention_bf16"]
     p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
-    assert argtypes == [p, i64, p, p, p, i64, p, p, i64, i32, i32, i32, i32, i32, f32, i32, f32,
-                        i32] and restype is ctypes.c_int
+    assert argtypes == [p, i64, p, p, i32, p, i64, p, p, i64, i32, i32, i32, i32, i32, f32, i32,
+                        f32, i32] and restype is ctypes.c_int
     assert sigs["has_amx"] == ([], ctypes.c_int)
     assert sigs["fma_peak_gflops"] == ([ctypes.c_int, ctypes.c_double, ctypes.c_int],
                                        ctypes.c_double)
