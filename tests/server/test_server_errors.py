@@ -181,6 +181,7 @@ def test_a_dead_engine_fails_every_waiting_client_and_refuses_new_ones():
     results = asyncio.run(go())
     assert isinstance(results[1], EngineDead)  # the killer itself is told, not left hanging
     assert all(isinstance(r, (EngineDead, RequestOutput)) for r in results)
+    thread.stop()  # the clients are told before on_death runs: wait for the thread to end
     assert deaths == [1] and "injected" in thread.death
     with pytest.raises(EngineDead):
         run_one(thread, "late", [1])
