@@ -33,17 +33,20 @@ from conveyor.worker.runner import kv_bytes_per_block  # noqa: E402
 
 
 def run(args: argparse.Namespace, kv: str) -> dict:
-    pages = args.batch * (-(-(args.context + args.steps + 8) // 16))
+    # the first requests decode while the last ones prefill (one prompt a step): every request
+    # must still be running, all of them decode rows, through the timed steps
+    outputs = args.batch + args.steps + 8
+    pages = args.batch * (-(-(args.context + outputs) // 16))
     engine = LLMEngine(EngineConfig(
         model=args.model, kv_cache_dtype=kv, max_num_seqs=args.batch,
         max_num_batched_tokens=2048, enable_prefix_caching=False, num_kv_blocks=pages,
-        max_model_len=args.context + args.steps + 8, threads=args.threads))
+        max_model_len=args.context + outputs, threads=args.threads))
     gen = torch.Generator().manual_seed(0)
     vocab = engine.model_config.vocab_size
     for i in range(args.batch):
         engine.add_request(str(i), torch.randint(100, vocab, (args.context,),
                                                  generator=gen).tolist(),
-                           SamplingParams(temperature=0, max_tokens=args.steps + 4,
+                           SamplingParams(temperature=0, max_tokens=outputs,
                                           ignore_eos=True))
     start = time.perf_counter()
     while any(r.num_output_tokens == 0 for r in engine.scheduler.requests.values()):
@@ -51,6 +54,7 @@ def run(args: argparse.Namespace, kv: str) -> dict:
     prefill = time.perf_counter() - start
     times = []
     for _ in range(args.steps):
+        assert len(engine.scheduler.running) == args.batch, "a timed step without every request"
         t = time.perf_counter()
         engine.step()
         times.append(time.perf_counter() - t)

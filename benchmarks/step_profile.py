@@ -37,7 +37,7 @@ import torch.nn.functional as F
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from conveyor.config import ACTIVATION_QUANTS, EngineConfig  # noqa: E402
+from conveyor.config import ACTIVATION_QUANTS, KV_CACHE_DTYPES, EngineConfig  # noqa: E402
 from conveyor.engine.engine import LLMEngine  # noqa: E402
 from conveyor.model import model as model_module  # noqa: E402
 from conveyor.kernels import isa  # noqa: E402
@@ -199,6 +199,8 @@ def main() -> None:
                    help="with --curve: also one prompt chunk of each of these lengths")
     p.add_argument("--activation-quant", default="none", choices=ACTIVATION_QUANTS,
                    help="the block linears' activations (EngineConfig.activation_quant)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+                   help="the KV cache's storage (EngineConfig.kv_cache_dtype)")
     p.add_argument("--decode-stack-rows", type=int, default=None, metavar="N",
                    help="run decode steps of up to N requests through decode_stack (0: never; "
                         "default: as many as the block linears take)")
@@ -211,7 +213,7 @@ def main() -> None:
             model=args.model, dtype=args.dtype, max_num_seqs=max(sizes),
             max_num_batched_tokens=max(2048, *prefills), enable_prefix_caching=False,
             threads=args.threads, max_model_len=longest + 16 * 8,
-            activation_quant=args.activation_quant,
+            activation_quant=args.activation_quant, kv_cache_dtype=args.kv_cache_dtype,
             num_kv_blocks=max(sizes) * (-(-args.context // 16) + 8) + -(-longest // 16) + 8))
         curve(engine, sizes, prefills, args.context, args.steps)
         return
@@ -219,6 +221,7 @@ def main() -> None:
                                     max_num_batched_tokens=max(2048, args.batch),
                                     enable_prefix_caching=False, threads=args.threads,
                                     activation_quant=args.activation_quant,
+                                    kv_cache_dtype=args.kv_cache_dtype,
                                     num_kv_blocks=args.batch * (-(-args.context // 16) + 8),
                                     max_model_len=args.context + 16 * 8))
     model = engine.runner.model
@@ -239,7 +242,7 @@ def main() -> None:
     spent: dict[str, float] = defaultdict(float)
     runner = engine.runner
     clock(engine.scheduler, "schedule", spent, "schedule")
-    clock(runner, "plan", spent, "prepare inputs")
+    clock(runner.planner, "plan", spent, "prepare inputs")
     clock(runner, "_inputs", spent, "prepare inputs")
     clock(model, "compute_logits", spent, "logits (lm_head)")
     clock(runner, "sampler", spent, "sample")
