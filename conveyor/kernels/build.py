@@ -28,7 +28,7 @@ _AVX512 = _AVX2 + ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx
                    "-mavx512vnni"]
 # Instruction sets a tier compiles for, when it is not this CPU's own best (then -march=native).
 TIER_FLAGS = {"generic": [], "avx2": _AVX2, "avx512": _AVX512,
-              "amx": _AVX512 + ["-mamx-tile", "-mamx-bf16"]}
+              "amx": _AVX512 + ["-mamx-tile", "-mamx-bf16", "-mamx-int8"]}
 # Fast math lets GCC vectorise the dot products and exp; it is not passed when linking, so the
 # library does not switch the whole process to flush-to-zero. No contraction of a * b + c into
 # one rounding where PyTorch rounds twice (rope, dequantizing); written FMAs stay FMAs.

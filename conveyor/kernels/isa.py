@@ -7,7 +7,7 @@ llama.cpp builds its CPU backend once per x86-64 level and loads the best one th
 - ``avx2``: x86-64 with AVX2, FMA and F16C; float32 compute (no bfloat16 arithmetic).
 - ``avx512``: AVX-512 F/BW/VL/DQ, AVX512_BF16 and VNNI; bfloat16 compute (products on bfloat16
   pairs), int8 products for the integer activations.
-- ``amx``: the above and AMX tiles (AMX-TILE, AMX-BF16) for the products.
+- ``amx``: the above and AMX tiles (AMX-TILE, AMX-BF16, AMX-INT8) for the products.
 
 ``CONVEYOR_CPU_ISA=generic|avx2|avx512|amx`` forces a lower tier, and the whole process then
 behaves as on such a CPU: the dtype ``auto`` picks, oneDNN's bfloat16 prepacking and every
@@ -30,7 +30,7 @@ REQUIRED_FLAGS = {
     "generic": (),
     "avx2": ("avx2", "fma", "f16c"),
     "avx512": ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "avx512_vnni"),
-    "amx": ("amx_tile", "amx_bf16"),
+    "amx": ("amx_tile", "amx_bf16", "amx_int8"),
 }
 # What the tiers at and above avx512 compute in: they have bfloat16 arithmetic.
 BF16_TIERS = ("avx512", "amx")

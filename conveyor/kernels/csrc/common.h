@@ -21,6 +21,28 @@ static inline float hsum8(__m256 v) {
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
+
+#if defined(__AVX2__) && defined(__FMA__)
+/* exp(x) for x <= 0 (softmax's x - max): exp2 of the integer part by exponent bits, a degree-5
+ * polynomial for the rest (Cephes' coefficients; within 2 float32 steps of expf). */
+static inline __m256 exp_neg(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));  /* beyond: ~0, and 2^n stays normal */
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n),
+                                                         _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+#endif
 #endif
 
 /* A sliding window of `window` tokens (0: none) over a context of *len tokens whose pages are
@@ -157,12 +179,21 @@ static inline void thread_share(int count, int *begin, int *end) {
 static inline __m512 bf16x16_to_f32(__m256i h) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
+
+/* exp_neg on 16 lanes, a half at a time */
+static inline __m512 exp_neg16(__m512 x) {
+    const __m256 lo = exp_neg(_mm512_castps512_ps256(x));
+    const __m256 hi = exp_neg(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1)));
+    return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_castps256_ps512(lo)),
+                                               _mm256_castps_pd(hi), 1));
+}
 #else
 #define CONVEYOR_AVX512_BF16 0
 #endif
 
-/* AMX tiles (quant_linear_bf16.c's products, paged_decode_bf16.c's scores): the amx tier. */
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+/* AMX tiles (quant_linear_bf16.c's products, paged_decode_bf16.c's scores, int8 caches'
+ * too): the amx tier. */
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AMX_INT8__)
 #define CONVEYOR_AMX 1
 #include <immintrin.h>
 

@@ -14,9 +14,11 @@
  * for every query head of the group. The rows still to come are prefetched a few lines at a time
  * between the products, since at large batches reading the cache is what bounds the kernel.
  *
- * An int8 cache (common.h's KV_INT8) is widened a tile at a time into a scratch of bfloat16
- * rows (int8 values are exact in bfloat16) that the vector path's products read; a token's K
- * scale multiplies its scores, its V scale its softmax weight before that is rounded.
+ * An int8 cache (common.h's KV_INT8) is multiplied in integers where the CPU allows: with AMX
+ * the scores are tile products of the cached K rows as they lie and a two-level int8 query
+ * (amx_int8_scores); without, a tile's K rows are widened to bfloat16 (exact) in L1 for the
+ * vector path. The values are summed with vpdpbusd on weights rounded to two 8-bit levels
+ * (int8_values). A token's K scale multiplies its scores, its V scale its softmax weight.
  *
  * The avx512 and amx tiers only (AVX-512 F and BF16); float32 models use paged_decode_f32.c.
  * OpenMP shares the work out on the runtime PyTorch has already loaded into the process
@@ -105,6 +107,13 @@ static inline void prefetch_row(const char *r, int b0, int step, int lines) {
     for (int b = b0; b < lines; b += step) _mm_prefetch(r + 64 * b, _MM_HINT_T2);
 }
 
+/* The lanes of tokens t .. t + 15 that lie in [skip, len). */
+static inline __mmask16 live_lanes(int t, int skip, int len) {
+    const uint32_t below = len - t >= 16 ? 0xffff : (1u << (len - t)) - 1;
+    const uint32_t before = skip - t >= 16 ? 0xffff : skip > t ? (1u << (skip - t)) - 1 : 0;
+    return (__mmask16)(below & ~before);
+}
+
 /* int8 caches: a tile's rows (`heads` int8 head rows each, `n` of them real, `zero` past them)
  * as bfloat16 rows of `heads * dim` values in wide[], and their scales in scales[head * TILE +
  * t] (0 past n). */
@@ -124,6 +133,151 @@ static inline void widen_tile(const char *const *rows, int n, int heads, int dim
                                     (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
             }
         }
+}
+
+#if AMX_SCORES
+/* AMX scores of an int8 cache, its K rows multiplied as they lie (tdpbssd). Each query head j
+ * is held as two int8 levels, q / q_scale = q1 + q2 / 128 (q_scale = max |q| / 127, q2 the
+ * rounding left by q1, within +-64), so that the query keeps about 14 bits where a single level
+ * keeps 7: 128 (q1 . k) + q2 . k is exact in int32 and times q_scale / 128 the score. The
+ * levels' tiles, [span / 64, 16 quads, 16 query heads, 4] each, are laid out as the bfloat16
+ * path's pairs are, column j zero where K's head is not its own. Writes scores[j * padded + t]
+ * times `scale` and each token's K scale; scratch: quads (2 span TILE bytes), the result tiles
+ * (TILE x TILE int32 each), k_scales [heads, TILE]. */
+static ALWAYS_INLINE void amx_int8_scores(const uint16_t *q, const char *k_cache,
+                                          const char *v_cache, const int32_t *table, int len,
+                                          int heads, int group, const int dim, int64_t row,
+                                          int block_size, float scale, int8_t *quads,
+                                          float *q_scales, int32_t *coarse, int32_t *fine,
+                                          float *k_scales, float *scores, int padded,
+                                          const char *z, int row_lines) {
+    const int nq = heads * group, span = heads * dim, chunks = span / 64, head = dim + 4;
+    const char *ahead[TILE];
+    int8_t *q1 = quads, *q2 = quads + span * TILE;
+    memset(quads, 0, 2 * (size_t)span * TILE);
+    for (int j = 0; j < nq; j++) {
+        float top = 0.0f;
+        for (int d = 0; d < dim; d++) top = fmaxf(top, fabsf(bf16_load(q[j * dim + d])));
+        const float inv = top > 0.0f ? 127.0f / top : 0.0f;
+        q_scales[j] = top / 127.0f / 128.0f * scale;
+        for (int d = 0; d < dim; d++) {
+            const int c = j / group * dim + d;
+            const int at = ((c / 64 * TILE + c % 64 / 4) * TILE + j) * 4 + c % 4;
+            const float x = bf16_load(q[j * dim + d]) * inv, whole = nearbyintf(x);
+            q1[at] = (int8_t)whole;
+            q2[at] = (int8_t)nearbyintf((x - whole) * 128.0f);
+        }
+    }
+    const __m512i column = _mm512_mullo_epi32(_mm512_setr_epi32(
+        0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), _mm512_set1_epi32(TILE));
+    for (int t0 = 0; t0 < len; t0 += TILE) {
+        const int n = len - t0 < TILE ? len - t0 : TILE;
+        const char *first = token_row(k_cache, table, t0 / block_size, t0 % block_size,
+                                      block_size, row);
+        ahead_rows(k_cache, v_cache, table, len, t0 + AHEAD * TILE, block_size, row, z, ahead);
+        _tile_zero(0);
+        _tile_zero(3);
+        for (int c = 0; c < chunks; c++) {
+            _tile_loadd(1, first + c / (dim / 64) * head + c % (dim / 64) * 64, row);
+            _tile_loadd(2, q1 + c * TILE * TILE * 4, TILE * 4);
+            _tile_dpbssd(0, 1, 2);
+            _tile_loadd(4, q2 + c * TILE * TILE * 4, TILE * 4);
+            _tile_dpbssd(3, 1, 4);
+            for (int t = c; t < TILE; t += chunks) prefetch_row(ahead[t], 0, 1, row_lines);
+        }
+        _tile_stored(0, coarse, TILE * 4);
+        _tile_stored(3, fine, TILE * 4);
+        for (int h = 0; h < heads; h++)  /* past len: the page's unused slots, weighed 0 */
+            for (int t = 0; t < TILE; t++)
+                k_scales[h * TILE + t] = t < n ? kv_scale(first + t * row + h * head, dim) : 0.0f;
+        for (int j = 0; j < nq; j++) {
+            const __m512i at = _mm512_add_epi32(column, _mm512_set1_epi32(j));
+            const __m512i sum = _mm512_add_epi32(
+                _mm512_slli_epi32(_mm512_i32gather_epi32(at, coarse, 4), 7),
+                _mm512_i32gather_epi32(at, fine, 4));
+            _mm512_storeu_ps(scores + (int64_t)j * padded + t0, _mm512_mul_ps(
+                _mm512_mul_ps(_mm512_cvtepi32_ps(sum), _mm512_set1_ps(q_scales[j])),
+                _mm512_loadu_ps(k_scales + j / group * TILE)));
+        }
+    }
+}
+#endif
+
+/* int8 caches: the weighted sum of values in integers (vpdpbusd, 64 products an instruction
+ * where vdpbf16ps takes 32). A tile's weights, the softmax numerators times their tokens' V
+ * scales, are scaled to 0..255 against the tile's largest (`units`: a scale a tile and query
+ * head) and held as two 8-bit levels, w = w1 + w2 / 256 (one level alone is too coarse when
+ * the V scales of a tile differ widely), four tokens' in a 32-bit word; its V rows are
+ * interleaved four tokens a dimension, as the instruction takes them; a tile's int32 sums,
+ * 256 S1 + S2, are added into the float32 accumulators at its scale. acc[j * dim + 64 c + 16 k
+ * + 4 L + e] holds dimension 64 c + 16 L + 4 k + e (the interleave's order). Scratch: weights
+ * (8 words a query head), v_scales [heads, TILE], units [nq], quads (16 vectors). */
+static ALWAYS_INLINE void int8_values(const float *numerators, int padded, const char *k_cache,
+                                      const char *v_cache, const int32_t *table, int len,
+                                      int heads, int group, const int dim, int64_t row,
+                                      int block_size, const char *z, int row_lines, float *acc,
+                                      uint32_t *weights, float *v_scales, float *units,
+                                      char *quads) {
+    const int nq = heads * group, head = dim + KV_SCALE_BYTES;
+    const char *rows[TILE], *ahead[TILE];
+    for (int t0 = 0; t0 < len; t0 += TILE) {
+        const int n = len - t0 < TILE ? len - t0 : TILE;
+        tile_rows(v_cache, table, t0, n, block_size, row, z, rows);
+        ahead_rows(k_cache, v_cache, table, len, padded + t0 + AHEAD * TILE, block_size, row, z,
+                   ahead);
+        for (int h = 0; h < heads; h++)
+            for (int t = 0; t < TILE; t++)
+                v_scales[h * TILE + t] = t < n ? kv_scale(rows[t] + h * head, dim) : 0.0f;
+        for (int j = 0; j < nq; j++) {  /* past len and before the window: numerators 0 */
+            const __m512 x = _mm512_mul_ps(_mm512_loadu_ps(numerators + (int64_t)j * padded + t0),
+                                           _mm512_loadu_ps(v_scales + j / group * TILE));
+            const float top = _mm512_reduce_max_ps(x);
+            units[j] = top * (1.0f / (255.0f * 256.0f));
+            const __m512 u = _mm512_mul_ps(x, _mm512_set1_ps(top > 0.0f ? 255.0f / top : 0.0f));
+            const __m512i coarse = _mm512_cvttps_epi32(u);
+            const __m512 fine = _mm512_mul_ps(_mm512_sub_ps(u, _mm512_cvtepi32_ps(coarse)),
+                                              _mm512_set1_ps(256.0f));
+            _mm_storeu_si128((__m128i *)(weights + 8 * j), _mm512_cvtusepi32_epi8(coarse));
+            _mm_storeu_si128((__m128i *)(weights + 8 * j + 4),
+                             _mm512_cvtusepi32_epi8(_mm512_cvtps_epi32(fine)));
+        }
+        for (int h = 0; h < heads; h++)
+            for (int c = 0; c < dim; c += 64) {
+                for (int g = 0; g < TILE / 4; g++) {  /* lane L of quads[4 g + k]: dims 16 L + 4 k .. */
+                    const char *r = rows[4 * g] + h * head + c;
+                    const __m512i a = _mm512_loadu_si512(r);
+                    const __m512i b = _mm512_loadu_si512(rows[4 * g + 1] + h * head + c);
+                    const __m512i d = _mm512_loadu_si512(rows[4 * g + 2] + h * head + c);
+                    const __m512i e = _mm512_loadu_si512(rows[4 * g + 3] + h * head + c);
+                    const __m512i ab0 = _mm512_unpacklo_epi8(a, b), ab1 = _mm512_unpackhi_epi8(a, b);
+                    const __m512i de0 = _mm512_unpacklo_epi8(d, e), de1 = _mm512_unpackhi_epi8(d, e);
+                    _mm512_storeu_si512(quads + 64 * (4 * g), _mm512_unpacklo_epi16(ab0, de0));
+                    _mm512_storeu_si512(quads + 64 * (4 * g + 1), _mm512_unpackhi_epi16(ab0, de0));
+                    _mm512_storeu_si512(quads + 64 * (4 * g + 2), _mm512_unpacklo_epi16(ab1, de1));
+                    _mm512_storeu_si512(quads + 64 * (4 * g + 3), _mm512_unpackhi_epi16(ab1, de1));
+                    if (h == 0 && c == 0)
+                        for (int t = 4 * g; t < 4 * g + 4; t++) prefetch_row(ahead[t], 0, 1, row_lines);
+                }
+                for (int j = h * group; j < (h + 1) * group; j++) {
+                    __m512i s[4], f[4];
+                    for (int k = 0; k < 4; k++) s[k] = f[k] = _mm512_setzero_si512();
+                    for (int g = 0; g < TILE / 4; g++) {
+                        const __m512i w = _mm512_set1_epi32((int)weights[8 * j + g]);
+                        const __m512i w2 = _mm512_set1_epi32((int)weights[8 * j + 4 + g]);
+                        for (int k = 0; k < 4; k++) {
+                            const __m512i v = _mm512_loadu_si512(quads + 64 * (4 * g + k));
+                            s[k] = _mm512_dpbusd_epi32(s[k], w, v);
+                            f[k] = _mm512_dpbusd_epi32(f[k], w2, v);
+                        }
+                    }
+                    float *out = acc + j * dim + c;
+                    for (int k = 0; k < 4; k++)  /* 256 coarse + fine: under 2^28 a tile */
+                        _mm512_storeu_ps(out + 16 * k, _mm512_fmadd_ps(
+                            _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_slli_epi32(s[k], 8), f[k])),
+                            _mm512_set1_ps(units[j]), _mm512_loadu_ps(out + 16 * k)));
+                }
+            }
+    }
 }
 
 /* One request and `heads` consecutive KV heads (whose slices of a cached token are adjacent, so
@@ -152,9 +306,11 @@ static ALWAYS_INLINE void attend(const uint16_t *q, const char *k_cache, const c
     /* AMX: the queries as tiles [heads, dim / 32, 16 pairs, 16 query heads, 2], a tile's scores */
     uint16_t *q_tiles = zero + span;
     float *tile_scores = (float *)(q_tiles + (int64_t)heads * dim * TILE * 2);
-    /* int8: a tile widened [TILE, span], its scales [heads, TILE], the V scales [heads, padded] */
-    uint16_t *wide = (uint16_t *)(tile_scores + TILE * TILE);
-    float *tile_scales = (float *)(wide + TILE * span), *v_scales = tile_scales + heads * TILE;
+    int32_t *tile_fine = (int32_t *)(tile_scores + TILE * TILE);  /* int8: the second level's */
+    /* int8: a tile widened [TILE, span], its scales [heads, TILE]; every query head's scale */
+    uint16_t *wide = (uint16_t *)(tile_fine + TILE * TILE);
+    float *tile_scales = (float *)(wide + TILE * span), *q_scales = tile_scales + heads * TILE;
+    float *inverse = q_scales + nq;  /* 1 / each query head's softmax total */
     const char *rows[TILE], *z = (const char *)zero;
     const uint16_t *k[TILE];  /* the tile's bfloat16 rows: in the cache, or widened */
     memset(zero, 0, sizeof(uint16_t) * span);
@@ -166,7 +322,11 @@ static ALWAYS_INLINE void attend(const uint16_t *q, const char *k_cache, const c
     }
 
 #if AMX_SCORES
-    if (amx) {
+    if (amx && q8)
+        amx_int8_scores(q, k_cache, v_cache, table, len, heads, group, dim, row, block_size,
+                        scale, (int8_t *)q_tiles, q_scales, (int32_t *)tile_scores, tile_fine,
+                        tile_scales, scores, padded, z, row_lines);
+    if (amx && !q8) {
         /* column j of the queries' tiles is query head j, zero where K's head is not its own,
          * so the products of all KV heads add up in one result tile */
         memset(q_tiles, 0, sizeof(uint16_t) * heads * dim * TILE * 2);
@@ -223,40 +383,36 @@ static ALWAYS_INLINE void attend(const uint16_t *q, const char *k_cache, const c
             _mm512_storeu_ps(scores + (int64_t)j * padded + t0, sc);
         }
     }
-    if (q8)  /* each token's V scales, for its weights */
-        for (int t = 0; t < len; t++) {
-            const char *r = token_row(v_cache, table, t / block_size, t % block_size,
-                                      block_size, row);
-            for (int h = 0; h < heads; h++)
-                v_scales[h * padded + t] = kv_scale(r + h * (dim + KV_SCALE_BYTES), dim);
-        }
     for (int j = 0; j < nq; j++) {
-        float *s = scores + (int64_t)j * padded, top = -FLT_MAX, total = 0.0f;
+        float *s = scores + (int64_t)j * padded;
         uint16_t *w = weights + (int64_t)j * padded;
         soft_cap(s + skip, len - skip, cap);
-        for (int t = skip; t < len; t++) top = s[t] > top ? s[t] : top;
-        for (int t = 0; t < skip; t++) s[t] = 0.0f;  /* before the window: weight 0 */
-        for (int t = skip; t < len; t++) {
-            s[t] = expf(s[t] - top);
-            total += s[t];
+        __m512 top = _mm512_set1_ps(-FLT_MAX), total = _mm512_setzero_ps();
+        for (int t = 0; t < len; t += 16)
+            top = _mm512_mask_max_ps(top, live_lanes(t, skip, len), top, _mm512_loadu_ps(s + t));
+        top = _mm512_set1_ps(_mm512_reduce_max_ps(top));
+        for (int t = 0; t < len; t += 16) {  /* outside [skip, len): weight 0 */
+            const __mmask16 m = live_lanes(t, skip, len);
+            __m512 x = _mm512_sub_ps(_mm512_loadu_ps(s + t), top);
+            x = _mm512_maskz_mov_ps(m, exp_neg16(x));
+            total = _mm512_add_ps(total, x);
+            if (q8)  /* weighed with the V scales tile by tile, below */
+                _mm512_storeu_ps(s + t, x);
+            else
+                _mm256_storeu_si256((__m256i *)(w + t), (__m256i)_mm512_cvtneps_pbh(x));
         }
-        for (int t = 0; t < len; t += 16) {  /* past len: zero weights (scores are not read) */
-            const __mmask16 m = len - t >= 16 ? 0xffff : (__mmask16)((1u << (len - t)) - 1);
-            __m512 x = _mm512_maskz_loadu_ps(m, s + t);
-            if (q8)
-                x = _mm512_mul_ps(x, _mm512_maskz_loadu_ps(m, v_scales + j / group * padded + t));
-            _mm256_storeu_si256((__m256i *)(w + t), (__m256i)_mm512_cvtneps_pbh(x));
-        }
-        s[0] = 1.0f / total;  /* kept for the end */
+        inverse[j] = 1.0f / _mm512_reduce_add_ps(total);
     }
 
     memset(acc, 0, sizeof(float) * nq * dim);
-    for (int t0 = 0; t0 < len; t0 += TILE) {
+    if (q8)
+        int8_values(scores, padded, k_cache, v_cache, table, len, heads, group, dim, row,
+                    block_size, z, row_lines, acc, (uint32_t *)weights, tile_scales, q_scales,
+                    (char *)wide);
+    for (int t0 = 0; t0 < len && !q8; t0 += TILE) {
         const int n = len - t0 < TILE ? len - t0 : TILE, np = (n + 1) / 2;
         tile_rows(v_cache, table, t0, n, block_size, row, z, rows);
-        if (q8) widen_tile(rows, n, heads, dim, wide, tile_scales);
-        for (int t = 0; t < TILE; t++)
-            k[t] = q8 ? wide + t * span : (const uint16_t *)rows[t];
+        for (int t = 0; t < TILE; t++) k[t] = (const uint16_t *)rows[t];
         ahead_rows(k_cache, v_cache, table, len, padded + t0 + AHEAD * TILE, block_size, row,
                    z, ahead);
         /* pair p, vector v: (token 2p, token 2p + 1) of dims 32v + 8L + {0-3} (lo) and
@@ -287,8 +443,22 @@ static ALWAYS_INLINE void attend(const uint16_t *q, const char *k_cache, const c
     /* back to dimension order, divided by the total, rounded */
     const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
     const __m512i second = _mm512_add_epi32(first, _mm512_set1_epi32(8));
-    for (int j = 0; j < nq; j++) {
-        const __m512 inv = _mm512_set1_ps(scores[(int64_t)j * padded]);
+    for (int j = 0; j < nq && q8; j++)  /* int8_values' order: 4 x 4 blocks of 4 transposed */
+        for (int c = 0; c < dim; c += 64) {
+            const float *s = acc + j * dim + c;
+            const __m512 t0 = _mm512_shuffle_f32x4(_mm512_loadu_ps(s), _mm512_loadu_ps(s + 16), 0x44);
+            const __m512 t1 = _mm512_shuffle_f32x4(_mm512_loadu_ps(s), _mm512_loadu_ps(s + 16), 0xEE);
+            const __m512 t2 = _mm512_shuffle_f32x4(_mm512_loadu_ps(s + 32), _mm512_loadu_ps(s + 48), 0x44);
+            const __m512 t3 = _mm512_shuffle_f32x4(_mm512_loadu_ps(s + 32), _mm512_loadu_ps(s + 48), 0xEE);
+            const __m512 o[4] = {_mm512_shuffle_f32x4(t0, t2, 0x88), _mm512_shuffle_f32x4(t0, t2, 0xDD),
+                                 _mm512_shuffle_f32x4(t1, t3, 0x88), _mm512_shuffle_f32x4(t1, t3, 0xDD)};
+            for (int v = 0; v < 4; v += 2)
+                _mm512_storeu_si512(out + j * dim + c + 16 * v, (__m512i)_mm512_cvtne2ps_pbh(
+                    _mm512_mul_ps(o[v + 1], _mm512_set1_ps(inverse[j])),
+                    _mm512_mul_ps(o[v], _mm512_set1_ps(inverse[j]))));
+        }
+    for (int j = 0; j < nq && !q8; j++) {
+        const __m512 inv = _mm512_set1_ps(inverse[j]);
         for (int v = 0; v < nv; v++) {
             const __m512 lo = _mm512_loadu_ps(acc + j * dim + 32 * v);
             const __m512 hi = _mm512_loadu_ps(acc + j * dim + 32 * v + 16);
@@ -306,7 +476,7 @@ static ALWAYS_INLINE void attend(const uint16_t *q, const char *k_cache, const c
 static size_t attend_scratch(int nq, int heads, int dim, int span, int longest) {
     const size_t padded = (size_t)(longest + TILE - 1) / TILE * TILE;
     return nq * dim + nq * padded + (nq * padded + TILE * span + span + 1) / 2
-           + span * TILE + TILE * TILE + (TILE * span + 1) / 2 + heads * TILE + heads * padded;
+           + span * TILE + 2 * TILE * TILE + (TILE * span + 1) / 2 + heads * TILE + 2 * nq;
 }
 
 /* q: row i, head j at q[i * q_stride + j * head_dim]; caches: [num_blocks, block_size,
@@ -327,8 +497,7 @@ int paged_decode_attention_bf16(const uint16_t *q, int64_t q_stride, const void 
     const int64_t row = num_kv_heads * head;  /* bytes of one token of one page */
     /* AMX scores take a tile in one page and every query head of an item in one result tile
      * (int8 caches: the vector path, whose tiles are widened anyway; faster there) */
-    const int amx = AMX_SCORES && block_size % TILE == 0 && group <= TILE && has_amx()
-                    && kv_type != KV_INT8;
+    const int amx = AMX_SCORES && block_size % TILE == 0 && group <= TILE && has_amx();
     /* Work items: a request's KV heads in `split` parts. Whole requests when there are enough of
      * them to go round the threads; with few requests, or more query heads than an AMX result
      * tile holds, one head per item instead (so that a row's scores take the same path at
