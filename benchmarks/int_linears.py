@@ -33,6 +33,8 @@ def main() -> None:
     p.add_argument("--model", default=None, help="a GGUF file (default: the default model)")
     p.add_argument("--rows", default="1,2,4,8,32")
     p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--int-rows", type=int, default=None, metavar="N",
+                   help="the integer modes take calls of up to N rows (default: their int_rows)")
     args = p.parse_args()
     engine = LLMEngine(EngineConfig(model=args.model, max_num_seqs=1, num_kv_blocks=8,
                                     max_model_len=64))
@@ -46,6 +48,8 @@ def main() -> None:
         calls.append(((model.head_blocks,), model.config.hidden_size))
     linears = {mode: kernels_at(tier, engine.dtype, model.config.head_dim,
                                 mode).quant_linear for mode in MODES}
+    for mode in MODES[1:] if args.int_rows is not None else ():
+        linears[mode].int_rows = args.int_rows
     weights = sum(w.blocks.numel() for runs, _ in calls for w in runs)
     print(f"{args.model or 'the default model'}: {len(calls)} block linears, "
           f"{weights / 2**20:.0f} MiB of blocks; tier {tier}, {engine.dtype}, "

@@ -290,9 +290,10 @@ class QuantLinear:
 class IntQuantLinear(QuantLinear):
     """``QuantLinear`` on integer activations (``--activation-quant``) for a decode's few rows:
     each run of 32 inputs quantized to int16 (15 bits) or int8 (``activations.quantize``) and
-    multiplied with the blocks' integers (csrc/avx512/quant_linear_int.c: VNNI; plain C below
-    it). Calls of more than ``int_rows`` rows, and dense weights, take the float kernels, which
-    are faster there (docs/results/activation-quant); the weights are in their format."""
+    multiplied with the blocks' integers (csrc/avx512/quant_linear_int.c: VNNI; csrc/avx2/:
+    pmaddubsw; plain C below). Calls of more than ``int_rows`` rows, and dense weights, take the
+    float kernels, which are faster there (docs/results/activation-quant); the weights are in
+    their format."""
 
     LEVELS = {"int16": 16383, "int8": 127}
     # the most rows the integer kernel is faster at, at the avx512/amx tiers (AMX or the few-row

@@ -11,8 +11,8 @@
  * with q . p an exact integer dot product (|q| <= 128, |p| <= 16383, 16 of them: within
  * int32) and the rest float32. conveyor/kernels/activations.py is the quantization's
  * reference; the sums are F.linear's on the quantized activations up to float32 rounding.
- * From the avx2 tier on, each 16 products are one pmaddwd; avx512/quant_linear_int.c replaces
- * this file at the tiers with VNNI.
+ * avx2/quant_linear_int.c replaces this file from the avx2 tier on, avx512/quant_linear_int.c
+ * at the tiers with VNNI.
  */
 #include <math.h>
 #include <stdint.h>
@@ -73,18 +73,9 @@ static int int_rows(IntRows *a, const void *x, int64_t x_stride, int bf16, int r
 
 /* sum of a[e] * b[e] over 16 int16 pairs (exact in int32) */
 static inline int32_t dot16(const int16_t *a, const int16_t *b) {
-#if defined(__AVX2__)
-    const __m256i pairs = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)a),
-                                            _mm256_loadu_si256((const __m256i *)b));
-    __m128i sum = _mm_add_epi32(_mm256_castsi256_si128(pairs),
-                                _mm256_extracti128_si256(pairs, 1));
-    sum = _mm_add_epi32(sum, _mm_shuffle_epi32(sum, 0x4e));
-    return _mm_cvtsi128_si32(_mm_add_epi32(sum, _mm_shuffle_epi32(sum, 0xb1)));
-#else
     int32_t sum = 0;
     for (int e = 0; e < 16; e++) sum += (int32_t)a[e] * b[e];
     return sum;
-#endif
 }
 
 /* y = x w^T (+ bias), x and y float32 or bfloat16 (bf16) with row strides; w: n rows of k

@@ -1,0 +1,323 @@
+/* The block linear on integer activations (--activation-quant) with AVX2: the numerics of
+ * generic/quant_linear_int.c (its comment has the formula), without VNNI.
+ *
+ * A thread takes OB weight rows at a time and unpacks each once, with vector shifts and masks,
+ * into signed bytes (the type's offset taken off: Q4_0's 8, Q6_K's 32) and a float32 factor a
+ * half-chunk (d, or Q6_K's d per 16) and a min a chunk; then every group of RT activation rows
+ * passes those OB rows while both stay in cache.
+ *
+ * int8 activations: pmaddubsw multiplies 32 unsigned bytes by 32 signed ones, two products a
+ * 16-bit lane (within it: |q| <= 128, |p| <= 127), pmaddwd by ones sums them to 8 int32 lanes of
+ * 4 values each. The weights are the unsigned side: as they are where the type stores no
+ * negative one, else their magnitudes, the activations taking the weights' signs (psignb), as
+ * llama.cpp's AVX2 dot products do. int16 activations (15 bits): the weights widened to 16
+ * bits, pmaddwd, 16 products an instruction. Each chunk's int32 lanes become float32 and take
+ * d * s into a float32 accumulator, summed across lanes once per output value.
+ */
+#include <immintrin.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "blocks.h"
+#include "common.h"
+#include "int_activations.h"
+
+#define RT 4   /* activation rows a pass takes (1, 2 or 4) */
+#define OB 16  /* weight rows unpacked at a time and passed by every group of RT rows */
+
+/* x's rows as integers, as generic/quant_linear_int.c's int_rows quantizes them (the same
+ * roundings, so not under fast math): p8 (int8) or p16 (int16) [rows][k], s and sp (s * sum(p))
+ * [rows][k / 32]. */
+typedef struct {
+    int8_t *p8;
+    int16_t *p16;
+    float *s, *sp;
+} Acts;
+
+static void acts_free(Acts *a) {
+    free(a->p8);
+    free(a->p16);
+    free(a->s);
+    free(a->sp);
+}
+
+__attribute__((optimize("no-fast-math")))
+static int acts_of(Acts *a, const void *x, int64_t x_stride, int rows, int k, int levels) {
+    const int chunks = k / 32;
+    memset(a, 0, sizeof *a);
+    if (levels > 127) a->p16 = aligned_alloc(32, (size_t)rows * k * 2);
+    else a->p8 = aligned_alloc(32, (size_t)rows * k);
+    a->s = malloc((size_t)rows * chunks * sizeof(float));
+    a->sp = malloc((size_t)rows * chunks * sizeof(float));
+    if ((a->p8 == NULL && a->p16 == NULL) || a->s == NULL || a->sp == NULL) {
+        acts_free(a);
+        return -2;
+    }
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    for (int r = 0; r < rows; r++)
+        for (int j = 0; j < chunks; j++) {
+            const float *xe = (const float *)x + r * x_stride + 32 * j;
+            __m256 v[4], top = _mm256_setzero_ps();
+            for (int i = 0; i < 4; i++) {
+                v[i] = _mm256_loadu_ps(xe + 8 * i);
+                top = _mm256_max_ps(top, _mm256_andnot_ps(sign, v[i]));
+            }
+            __m128 t = _mm_max_ps(_mm256_castps256_ps128(top), _mm256_extractf128_ps(top, 1));
+            t = _mm_max_ps(t, _mm_movehl_ps(t, t));
+            t = _mm_max_ss(t, _mm_movehdup_ps(t));
+            const float scale = _mm_cvtss_f32(t) / (float)levels;
+            const __m256 inverse = _mm256_set1_ps(scale > 0.0f ? 1.0f / scale : 0.0f);
+            __m256i p[4], sum = _mm256_setzero_si256();
+            for (int i = 0; i < 4; i++) {  /* to nearest, halves to even, as rintf */
+                p[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inverse));
+                sum = _mm256_add_epi32(sum, p[i]);
+            }
+            __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum),
+                                       _mm256_extracti128_si256(sum, 1));
+            s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
+            s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1));
+            const int64_t at = (int64_t)r * chunks + j;
+            a->s[at] = scale;
+            a->sp[at] = scale * (float)_mm_cvtsi128_si32(s4);
+            /* packs interleave 128-bit lanes: the permutation puts the values back in order */
+            const __m256i w01 = _mm256_permute4x64_epi64(_mm256_packs_epi32(p[0], p[1]), 0xd8);
+            const __m256i w23 = _mm256_permute4x64_epi64(_mm256_packs_epi32(p[2], p[3]), 0xd8);
+            if (a->p16 != NULL) {
+                _mm256_store_si256((__m256i *)(a->p16 + (int64_t)r * k + 32 * j), w01);
+                _mm256_store_si256((__m256i *)(a->p16 + (int64_t)r * k + 32 * j + 16), w23);
+            } else {
+                _mm256_store_si256((__m256i *)(a->p8 + (int64_t)r * k + 32 * j),
+                                   _mm256_permute4x64_epi64(_mm256_packs_epi16(w01, w23), 0xd8));
+            }
+        }
+    return 0;
+}
+
+/* Byte e all ones where bit e of x is set (llama.cpp's bytes_from_bits_32). */
+static inline __m256i bit_bytes(uint32_t x) {
+    const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32((int)x), _mm256_set_epi64x(
+        0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0));
+    return _mm256_cmpeq_epi8(_mm256_or_si256(spread, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe)),
+                             _mm256_set1_epi64x(-1));
+}
+
+static inline __m256i nibbles(__m256i v, int high) {
+    return _mm256_and_si256(high ? _mm256_srli_epi16(v, 4) : v, _mm256_set1_epi8(15));
+}
+
+/* One weight row unpacked: q [k] signed bytes (the offset taken off), d [2 * chunks] (each
+ * half-chunk's factor), m [chunks] (the mins; has_min types only). The integers are
+ * chunk_quants', the factors chunk_scales'. */
+static ALWAYS_INLINE void unpack_row(const uint8_t *row, int type, int chunks, int8_t *q,
+                                     float *d, float *m) {
+    if (is_k_quant(type)) {
+        for (int sb = 0; sb < chunks / 8; sb++) {
+            const uint8_t *b = row + (int64_t)sb * stored_block_bytes(type);
+            int8_t *qb = q + 256 * sb;
+            float *db = d + 16 * sb;
+            if (type == Q6_K) {
+                const float dd = half_load(b + 208);
+                for (int i = 0; i < 16; i++) db[i] = dd * (float)(int8_t)b[192 + i];
+                for (int j = 0; j < 8; j++) {  /* chunk_quants' layout */
+                    const int h = j >> 2, t = j & 3;
+                    const __m256i ql = _mm256_loadu_si256(
+                        (const __m256i *)(b + 64 * h + 32 * (t & 1)));
+                    const __m256i qh = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * h));
+                    const __m256i hi = _mm256_slli_epi16(_mm256_and_si256(
+                        _mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * t)), _mm256_set1_epi8(3)), 4);
+                    _mm256_storeu_si256((__m256i *)(qb + 32 * j), _mm256_sub_epi8(
+                        _mm256_or_si256(nibbles(ql, t >> 1), hi), _mm256_set1_epi8(32)));
+                }
+            } else {
+                uint32_t u[4];
+                k_scales_mins(b, u);
+                const uint8_t *sm = (const uint8_t *)u;
+                const float dd = half_load(b), dmin = half_load(b + 2);
+                for (int j = 0; j < 8; j++) {
+                    db[2 * j] = db[2 * j + 1] = dd * (float)sm[j];
+                    m[8 * sb + j] = -(dmin * (float)sm[8 + j]);
+                }
+                const __m256i fifth = type == Q5_K
+                    ? _mm256_loadu_si256((const __m256i *)(b + 16)) : _mm256_setzero_si256();
+                for (int j = 0; j < 8; j++) {
+                    __m256i v = nibbles(_mm256_loadu_si256((const __m256i *)(
+                        b + (type == Q4_K ? 16 : 48) + 32 * (j >> 1))), j & 1);
+                    if (type == Q5_K) {
+                        const __m256i bit = _mm256_set1_epi8((char)(1 << j));
+                        v = _mm256_or_si256(v, _mm256_and_si256(_mm256_cmpeq_epi8(
+                            _mm256_and_si256(fifth, bit), bit), _mm256_set1_epi8(16)));
+                    }
+                    _mm256_storeu_si256((__m256i *)(qb + 32 * j), v);
+                }
+            }
+        }
+        return;
+    }
+    const int bytes = stored_block_bytes(type), at = stored_values_at(type);
+    for (int j = 0; j < chunks; j++) {
+        const uint8_t *b = row + (int64_t)j * bytes;
+        d[2 * j] = d[2 * j + 1] = half_load(b);
+        if (has_min(type)) m[j] = half_load(b + 2);
+        __m256i v;
+        if (type == Q8_0) {
+            v = _mm256_loadu_si256((const __m256i *)(b + at));
+        } else {
+            const __m128i qs = _mm_loadu_si128((const __m128i *)(b + at));
+            v = nibbles(_mm256_set_m128i(_mm_srli_epi16(qs, 4), qs), 0);
+            if (type == Q5_1) {
+                uint32_t qh;
+                memcpy(&qh, b + at - 4, 4);
+                v = _mm256_or_si256(v, _mm256_and_si256(bit_bytes(qh), _mm256_set1_epi8(16)));
+            }
+            if (type == Q4_0) v = _mm256_sub_epi8(v, _mm256_set1_epi8(8));
+        }
+        _mm256_storeu_si256((__m256i *)(q + 32 * j), v);
+    }
+}
+
+static inline float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+/* One unpacked weight row against activation rows r0 .. r0 + rt: out[t] its dot with each (no
+ * bias). `type`, `rt` and `wide` (int16 activations) are constants in each caller. */
+static ALWAYS_INLINE void pass(const int8_t *q, const float *d, const float *m, int type,
+                              int chunks, int k, const Acts *a, int r0, int rt, int wide,
+                              float *out) {
+    /* the types whose stored integers are never negative take pmaddubsw without signs */
+    const int unsigned_q = has_min(type);
+    __m256 acc[RT];
+    for (int t = 0; t < RT; t++) acc[t] = _mm256_setzero_ps();
+    for (int j = 0; j < chunks; j++) {
+        const __m256i w = _mm256_loadu_si256((const __m256i *)(q + 32 * j));
+        /* lanes 0-3: the chunk's first 16 values; 4-7: the last 16 */
+        const __m256 dj = _mm256_set_m128(_mm_set1_ps(d[2 * j + 1]), _mm_set1_ps(d[2 * j]));
+        if (wide) {
+            const __m256i w0 = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(w));
+            const __m256i w1 = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(w, 1));
+            #pragma GCC unroll 4
+            for (int t = 0; t < rt; t++) {
+                const int16_t *p = a->p16 + (int64_t)(r0 + t) * k + 32 * j;
+                const __m256i lo = _mm256_madd_epi16(w0, _mm256_load_si256((const __m256i *)p));
+                const __m256i hi = _mm256_madd_epi16(
+                    w1, _mm256_load_si256((const __m256i *)(p + 16)));
+                /* lo's lanes hold values 0-15 in pairs, hi's 16-31: pair them up by halves */
+                const __m256i dot = _mm256_add_epi32(_mm256_permute2x128_si256(lo, hi, 0x20),
+                                                     _mm256_permute2x128_si256(lo, hi, 0x31));
+                acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(
+                    dj, _mm256_set1_ps(a->s[(int64_t)(r0 + t) * chunks + j])), acc[t]);
+            }
+        } else {
+            const __m256i magnitude = unsigned_q ? w : _mm256_abs_epi8(w);
+            #pragma GCC unroll 4
+            for (int t = 0; t < rt; t++) {
+                const __m256i p = _mm256_load_si256(
+                    (const __m256i *)(a->p8 + (int64_t)(r0 + t) * k + 32 * j));
+                const __m256i pairs = _mm256_maddubs_epi16(
+                    magnitude, unsigned_q ? p : _mm256_sign_epi8(p, w));
+                const __m256i dot = _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
+                acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(
+                    dj, _mm256_set1_ps(a->s[(int64_t)(r0 + t) * chunks + j])), acc[t]);
+            }
+        }
+    }
+    for (int t = 0; t < rt; t++) {
+        if (has_min(type)) {  /* the mins' share: m . (s * sum(p)) over the chunks */
+            const float *sp = a->sp + (int64_t)(r0 + t) * chunks;
+            int j = 0;
+            for (; j + 8 <= chunks; j += 8)
+                acc[t] = _mm256_fmadd_ps(_mm256_loadu_ps(m + j), _mm256_loadu_ps(sp + j), acc[t]);
+            float rest = 0.0f;
+            for (; j < chunks; j++) rest += m[j] * sp[j];
+            out[t] = hsum(acc[t]) + rest;
+        } else {
+            out[t] = hsum(acc[t]);
+        }
+    }
+}
+
+#define PASS_TYPE(RTC, WIDE) \
+    switch (type) { \
+    case Q4_0: pass(q, d, m, Q4_0, chunks, k, a, r0, RTC, WIDE, out); break; \
+    case Q4_1: pass(q, d, m, Q4_1, chunks, k, a, r0, RTC, WIDE, out); break; \
+    case Q5_1: pass(q, d, m, Q5_1, chunks, k, a, r0, RTC, WIDE, out); break; \
+    case Q8_0: pass(q, d, m, Q8_0, chunks, k, a, r0, RTC, WIDE, out); break; \
+    case Q4_K: pass(q, d, m, Q4_K, chunks, k, a, r0, RTC, WIDE, out); break; \
+    case Q5_K: pass(q, d, m, Q5_K, chunks, k, a, r0, RTC, WIDE, out); break; \
+    default: pass(q, d, m, Q6_K, chunks, k, a, r0, RTC, WIDE, out); break; \
+    }
+
+static void pass_rows(const int8_t *q, const float *d, const float *m, int type, int chunks,
+                      int k, const Acts *a, int r0, int rt, float *out) {
+    if (a->p16 != NULL) {
+        if (rt == 4) { PASS_TYPE(4, 1) } else if (rt == 2) { PASS_TYPE(2, 1) }
+        else { PASS_TYPE(1, 1) }
+    } else {
+        if (rt == 4) { PASS_TYPE(4, 0) } else if (rt == 2) { PASS_TYPE(2, 0) }
+        else { PASS_TYPE(1, 0) }
+    }
+}
+
+/* The unpacking, with the type a constant. */
+static void unpack_rows(const uint8_t *w, int64_t row_bytes, int type, int chunks, int o0,
+                        int count, int8_t *q, float *d, float *m) {
+    for (int i = 0; i < count; i++) {
+        const uint8_t *row = w + (int64_t)(o0 + i) * row_bytes;
+        int8_t *qi = q + (int64_t)i * 32 * chunks;
+        float *di = d + (int64_t)i * 2 * chunks, *mi = m + (int64_t)i * chunks;
+        switch (type) {
+        case Q4_0: unpack_row(row, Q4_0, chunks, qi, di, mi); break;
+        case Q4_1: unpack_row(row, Q4_1, chunks, qi, di, mi); break;
+        case Q5_1: unpack_row(row, Q5_1, chunks, qi, di, mi); break;
+        case Q8_0: unpack_row(row, Q8_0, chunks, qi, di, mi); break;
+        case Q4_K: unpack_row(row, Q4_K, chunks, qi, di, mi); break;
+        case Q5_K: unpack_row(row, Q5_K, chunks, qi, di, mi); break;
+        default: unpack_row(row, Q6_K, chunks, qi, di, mi); break;
+        }
+    }
+}
+
+static int quant_linear_int(const void *x, int64_t x_stride, int bf16, const uint8_t *w,
+                            int64_t row_bytes, int type, const void *bias, void *y,
+                            int64_t y_stride, int rows, int n, int k, int levels, int threads) {
+    if (bf16 || !int_linear_takes(type, k, rows, levels)) return -1;
+    const int chunks = k / 32;
+    Acts a;
+    if (acts_of(&a, x, x_stride, rows, k, levels) != 0) return -2;
+    int failed = 0;
+    #pragma omp parallel num_threads(threads)
+    {
+        int8_t *q = malloc((size_t)OB * k);
+        float *d = malloc((size_t)OB * 2 * chunks * sizeof(float));
+        float *m = malloc((size_t)OB * chunks * sizeof(float));
+        int n0, n1;
+        thread_share(n, &n0, &n1);
+        if (q == NULL || d == NULL || m == NULL) failed = 1;
+        for (int ob = n0; !failed && ob < n1; ob += OB) {
+            const int count = n1 - ob < OB ? n1 - ob : OB;
+            unpack_rows(w, row_bytes, type, chunks, ob, count, q, d, m);
+            for (int r0 = 0; r0 < rows;) {
+                const int left = rows - r0, rt = left >= 4 ? 4 : left >= 2 ? 2 : 1;
+                for (int i = 0; i < count; i++) {
+                    float out[RT];
+                    pass_rows(q + (int64_t)i * k, d + (int64_t)i * 2 * chunks,
+                              m + (int64_t)i * chunks, type, chunks, k, &a, r0, rt, out);
+                    const float b = bias != NULL ? ((const float *)bias)[ob + i] : 0.0f;
+                    for (int t = 0; t < rt; t++)
+                        ((float *)y)[(int64_t)(r0 + t) * y_stride + ob + i] = out[t] + b;
+                }
+                r0 += rt;
+            }
+        }
+        free(q);
+        free(d);
+        free(m);
+    }
+    acts_free(&a);
+    return failed ? -2 : 0;
+}
+
+INT_LINEAR_F32(quant_linear_int)
