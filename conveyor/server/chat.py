@@ -31,6 +31,7 @@ from conveyor.server.streaming import SSE_DONE, TextDeltas, sse
 from conveyor.server.tool_schemas import tool_constraint
 from conveyor.server.tools import (
     ToolCallDeltas,
+    check_tool_schemas,
     finish_reason,
     parse_tool_calls,
     template_messages,
@@ -58,6 +59,10 @@ async def create_chat_completion(body: ChatCompletionRequest, raw: Request,
     state.check_model(body.model)
     if body.top_logprobs is not None and not body.logprobs:
         raise bad_request("top_logprobs needs logprobs to be true", "top_logprobs")
+    try:
+        check_tool_schemas(body)
+    except ValueError as e:
+        raise bad_request(str(e), "tools") from e
     try:
         mode = tool_mode(body)
     except ValueError as e:

@@ -16,6 +16,10 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
+from jsonschema import Draft202012Validator
+from jsonschema.exceptions import SchemaError
+from jsonschema.validators import validator_for
+
 from conveyor.outputs import CompletionOutput
 from conveyor.server.protocol import (ChatCompletionRequest, DeltaFunctionCall,
                                       DeltaMessage, DeltaToolCall, FunctionCall, ToolCall)
@@ -29,6 +33,20 @@ _SYSTEM = (
     "For each function call, return a JSON object with the function name and its arguments "
     "within <tool_call></tool_call> XML tags:\n"
     '<tool_call>\n{{"name": <function-name>, "arguments": <args-json-object>}}\n</tool_call>')
+
+
+def check_tool_schemas(body: ChatCompletionRequest) -> None:
+    """ValueError naming the first tool whose parameters are no JSON schema (whatever the
+    tool_choice: OpenAI refuses them even where no call is forced)."""
+    for i, tool in enumerate(body.tools or []):
+        schema = tool.function.parameters
+        if schema is None:
+            continue
+        try:
+            validator_for(schema, default=Draft202012Validator).check_schema(schema)
+        except SchemaError as e:
+            raise ValueError(f"tools[{i}] ({tool.function.name!r}): its parameters are not a "
+                             f"valid JSON schema: {e.message}") from None
 
 
 def tool_mode(body: ChatCompletionRequest) -> str | None:

@@ -9,6 +9,7 @@ import json
 import re
 
 import jsonschema
+import openai
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -467,3 +468,16 @@ def test_named_tool_arguments_have_only_the_listed_keys_unless_extras_are_allowe
     r = chat(client, model, ASK_PARIS, tools=[open_tool], tool_choice=choice, max_tokens=40)
     keys = re.findall(r'"(\w+)"\s*:', r.choices[0].message.tool_calls[0].function.arguments)
     assert set(keys) - {"city"}  # this model adds keys where it may
+
+
+@pytest.mark.parametrize("tool_choice", ["auto", "required", "none", None])
+def test_a_tool_whose_parameters_are_no_json_schema_is_a_400_naming_tools(client, model,
+                                                                         tool_choice):
+    """As OpenAI answers, whatever the tool_choice (before, auto took it)."""
+    broken = copy.deepcopy(CITY_ONLY)
+    broken["function"]["parameters"]["properties"]["city"]["type"] = "txt"
+    kw = {} if tool_choice is None else {"tool_choice": tool_choice}
+    with pytest.raises(openai.BadRequestError) as e:
+        chat(client, model, ASK_PARIS, tools=[TIME, broken], max_tokens=5, **kw)
+    error = e.value.body
+    assert error["param"] == "tools" and "tools[1] ('get_weather')" in error["message"]
