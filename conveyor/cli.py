@@ -80,6 +80,34 @@ def _env(args: argparse.Namespace) -> None:
           f"--kv-cache-dtype int8")
 
 
+# vLLM's serve flags for what Conveyor does its own way: accepted, so that a vLLM launch line
+# starts unchanged, each with a line saying what happens instead. Flag: (takes a value, line).
+VLLM_ONLY_FLAGS = {
+    "--trust-remote-code": (False, "no code from the model's folder runs: Conveyor has its own "
+                                   "implementation of each family it serves"),
+    "--enable-auto-tool-choice": (False, "tool_choice auto (the default) is always served"),
+    "--tool-call-parser": (True, "tool calls are read as the JSON objects the chat template "
+                                 "asks for, whatever the parser named"),
+    "--disable-log-requests": (False, "requests are not logged unless --enable-log-requests"),
+}
+
+
+def _without_vllm_only_flags(argv: list[str]) -> list[str]:
+    """``serve``'s arguments less VLLM_ONLY_FLAGS (``--flag value`` or ``--flag=value``), each
+    noted on stderr."""
+    kept, i = [], 0
+    while i < len(argv):
+        name = argv[i].split("=", 1)[0]
+        if name not in VLLM_ONLY_FLAGS:
+            kept.append(argv[i])
+            i += 1
+            continue
+        takes_value, line = VLLM_ONLY_FLAGS[name]
+        print(f"conveyor: {name} (vLLM's) accepted: {line}", file=sys.stderr)
+        i += 2 if takes_value and "=" not in argv[i] else 1
+    return kept
+
+
 def _serve(args: argparse.Namespace) -> None:
     from conveyor.server.launch import run_server  # uvicorn and FastAPI load only when serving
 
@@ -128,6 +156,9 @@ def _subcommand(parser: argparse.ArgumentParser,
 
 def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["serve"]:
+        argv = ["serve", *_without_vllm_only_flags(argv[1:])]
     args, unknown = parser.parse_known_args(argv)
     if unknown:  # under the (innermost) subcommand's usage, not the top level's
         _subcommand(parser, args).error(f"unrecognized arguments: {' '.join(unknown)}")

@@ -9,7 +9,7 @@ from tqdm import tqdm
 from conveyor.config import EngineConfig
 from conveyor.engine.engine import LLMEngine
 from conveyor.engine.input_processor import Prompt
-from conveyor.outputs import RequestOutput
+from conveyor.outputs import EmbeddingRequestOutput, RequestOutput
 from conveyor.sampling_params import PoolingParams, SamplingParams
 
 Message = dict[str, str]
@@ -29,12 +29,13 @@ class LLM:
         return self.engine.tokenizer
 
     def embed(self, prompts: Prompt | list[Prompt], pooling_params: PoolingParams | None = None,
-              use_tqdm: bool = True) -> list[RequestOutput]:
-        """Each prompt's embedding (``.embedding``), under ``task="embed"``: its last hidden
-        states pooled (``pooling_type``), normalised unless ``pooling_params`` says not."""
+              use_tqdm: bool = True) -> list[EmbeddingRequestOutput]:
+        """Each prompt's embedding (``.outputs.embedding``, as vLLM's), under
+        ``task="embed"``: its last hidden states pooled (``pooling_type``), normalised unless
+        ``pooling_params`` says not."""
         prompts = [prompts] if isinstance(prompts, (str, dict)) else prompts
-        return self.generate(prompts, [pooling_params or PoolingParams()] * len(prompts),
-                             use_tqdm)
+        return [EmbeddingRequestOutput.of(out) for out in self.generate(
+            prompts, [pooling_params or PoolingParams()] * len(prompts), use_tqdm)]
 
     def generate(self, prompts: Prompt | list[Prompt],
                  sampling_params: SamplingParams | list[SamplingParams | PoolingParams]

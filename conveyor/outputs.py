@@ -1,4 +1,5 @@
-"""What ``LLM.generate`` returns: vLLM's ``RequestOutput`` shape."""
+"""What ``LLM.generate`` and ``LLM.embed`` return: vLLM's ``RequestOutput`` and
+``EmbeddingRequestOutput`` shapes."""
 
 from __future__ import annotations
 
@@ -51,3 +52,23 @@ class RequestOutput:
     # with prompt_logprobs: per prompt token, its logprob and alternatives (None for the first)
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     embedding: list[float] | None = None  # an embedding request's vector, once finished
+
+
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """One prompt's embedding as vLLM's ``LLM.embed`` returns it (``.outputs.embedding``)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    finished: bool
+    outputs: EmbeddingOutput
+
+    @classmethod
+    def of(cls, out: RequestOutput) -> EmbeddingRequestOutput:
+        return cls(out.request_id, out.prompt_token_ids, out.finished,
+                   EmbeddingOutput(out.embedding))

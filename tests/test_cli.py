@@ -119,3 +119,32 @@ def test_bench_without_a_server_is_one_line(cli):
     assert code == 2 and len(lines) == 1, err
     assert lines[0].startswith("conveyor: error: no OpenAI-compatible server answers at "
                                "http://127.0.0.1:9/v1/models")
+
+
+def test_serve_accepts_vllm_only_flags_with_a_line_each(tmp_path, cli):
+    """A vLLM launch line's flags for what Conveyor does its own way start it unchanged (here
+    up to the missing model), each said on stderr; a flag Conveyor does not know is still an
+    error naming it."""
+    missing = str(tmp_path / "missing.gguf")
+    code, _, err = cli("serve", missing, "--trust-remote-code", "--enable-auto-tool-choice",
+                       "--tool-call-parser", "hermes", "--disable-log-requests",
+                       "--tool-call-parser=llama3_json")
+    lines = err.strip().splitlines()
+    assert code == 2 and "missing.gguf" in lines[-1]  # got as far as loading the model
+    for flag in ("--trust-remote-code", "--enable-auto-tool-choice", "--tool-call-parser",
+                 "--disable-log-requests"):
+        assert any(line.startswith(f"conveyor: {flag} (vLLM's) accepted: ") for line in lines)
+    assert not any("hermes" in line or "llama3_json" in line for line in lines)
+    code, _, err = cli("serve", missing, "--trust-remote-code", "--no-such-vllm-flag")
+    assert code == 2 and "unrecognized arguments: --no-such-vllm-flag" in err
+
+
+def test_cors_lists_take_vllms_json_or_items():
+    from conveyor.server.config import ServerConfig
+
+    assert ServerConfig().allowed_origins == ["*"]
+    assert ServerConfig(allowed_origins=['["http://a.test", "http://b.test"]']).allowed_origins \
+        == ["http://a.test", "http://b.test"]
+    assert ServerConfig(allowed_methods=["GET", "POST"]).allowed_methods == ["GET", "POST"]
+    with pytest.raises(ValueError, match="--allowed-headers: not a JSON list"):
+        ServerConfig(allowed_headers=["[oops"])

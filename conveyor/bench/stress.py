@@ -100,7 +100,8 @@ def server_state(base_url: str, headers: dict, pid: int | None, settle_s: float 
     """The server once it has gone idle (running and waiting 0), or after ``settle_s``."""
     deadline = time.monotonic() + settle_s
     while True:
-        m = parse_metrics(httpx.get(f"{base_url}/metrics", timeout=30).text)
+        m = {k.replace("vllm:", "conveyor:", 1): v  # (a server with --metrics-prefix vllm)
+             for k, v in parse_metrics(httpx.get(f"{base_url}/metrics", timeout=30).text).items()}
         idle = not m["conveyor:num_requests_running"] and not m["conveyor:num_requests_waiting"]
         if idle or time.monotonic() > deadline:
             break

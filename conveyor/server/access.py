@@ -11,17 +11,28 @@ import hmac
 import ipaddress
 from collections.abc import Callable
 
+from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from conveyor.server.errors import APIError
 
 DEFAULT_MAX_BODY_BYTES = 16 * 2**20
-OPEN_PATHS = ("/health", "/metrics")  # for load balancers and Prometheus, as vLLM leaves them
+# for load balancers and Prometheus, as vLLM leaves them
+OPEN_PATHS = ("/health", "/ping", "/metrics")
 DASHBOARD_PATHS = ("/dashboard", "/v1/engine/")  # the page and the feeds it shows (prompts)
 # The page and its scripts hold no data: a browser, which cannot send the key with a page
 # load, gets them without it, and the page then sends the key (from /dashboard#key=KEY) with
 # each feed request.
 PAGE_PATHS = ("/dashboard", "/dashboard/")
+
+
+def with_cors(app: ASGIApp, settings) -> ASGIApp:
+    """``app`` behind Starlette's CORS middleware as the ServerConfig's --allowed-* flags say
+    (vLLM's): outermost, so that a browser's preflight is answered before the key is asked."""
+    return CORSMiddleware(app, allow_origins=settings.allowed_origins,
+                          allow_methods=settings.allowed_methods,
+                          allow_headers=settings.allowed_headers,
+                          allow_credentials=settings.allow_credentials)
 
 
 def is_loopback(host: str) -> bool:

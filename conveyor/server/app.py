@@ -84,6 +84,8 @@ def build_app(state: ServerState, ready_message: str = "", api_key: str | None =
     app.add_middleware(ApiKeyGuard, api_key=api_key, dashboard_open=dashboard_open)
 
     @app.get("/health", summary="200 while the engine serves; 503 once it has died")
+    @app.get("/ping", summary="as /health (vLLM's and SageMaker's name)")
+    @app.post("/ping", summary="as /health (vLLM's and SageMaker's name)")
     async def health() -> Response:
         death = state.engine_thread.death
         if death is not None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from dataclasses import dataclass
@@ -10,6 +11,8 @@ from conveyor.server.reasoning import PARSERS
 from conveyor.settings import check_choices, setting
 
 API_KEY_ENV = "CONVEYOR_API_KEY"  # the key out of `ps`
+UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+METRICS_PREFIXES = ("conveyor", "vllm")  # (server/metrics.py)
 
 
 @dataclass
@@ -35,6 +38,22 @@ class ServerConfig:
     reasoning_parser: str | None = setting(
         None, "a reasoning model's <think>...</think> goes to the chat message's "
               "reasoning_content (default: none, all is content)", choices=PARSERS)
+    allowed_origins: list[str] | None = setting(
+        None, "origins whose browser pages may call the API (CORS), given one by one or as "
+              "vLLM's JSON list (default: every origin, as vLLM)", metavar="ORIGIN")
+    allowed_methods: list[str] | None = setting(
+        None, "HTTP methods those pages may use (default: all)", metavar="METHOD")
+    allowed_headers: list[str] | None = setting(
+        None, "request headers those pages may send (default: all)", metavar="HEADER")
+    allow_credentials: bool = setting(False, "let those pages send cookies and credentials")
+    enable_log_requests: bool = setting(
+        False, "log a line for each finished request (tokens, queue, prefill and decode time)")
+    uvicorn_log_level: str = setting("info", "uvicorn's log level (its access log is at info)",
+                                     choices=UVICORN_LOG_LEVELS)
+    metrics_prefix: str = setting(
+        "conveyor", "/metrics names' prefix: vllm gives vLLM's names (vllm:num_requests_running, "
+                    "...), so that its Grafana dashboards and routers read them",
+        choices=METRICS_PREFIXES)
     replica_url: list[str] | None = setting(
         None, "route also to this running `conveyor serve` (another machine's, say) as a "
               "data-parallel replica; repeatable. --data-parallel-size counts every replica, "
@@ -45,6 +64,8 @@ class ServerConfig:
 
     def __post_init__(self) -> None:
         check_choices(self)
+        for name in ("allowed_origins", "allowed_methods", "allowed_headers"):
+            setattr(self, name, _json_or_items(name, getattr(self, name)))
         for name in ("max_queue_len", "max_concurrent_requests", "max_body_bytes"):
             value = getattr(self, name)
             if value is not None and value < 1:
@@ -62,3 +83,17 @@ class ServerConfig:
     def resolved_api_key(self) -> str | None:
         """--api-key, else the API_KEY_ENV variable, else None (no key)."""
         return self.api_key or os.environ.get(API_KEY_ENV) or None
+
+
+def _json_or_items(name: str, items: list[str] | None) -> list[str]:
+    """A CORS list as given: items, or vLLM's one JSON list (``'["http://a"]'``); None: all."""
+    if items is None:
+        return ["*"]
+    if len(items) == 1 and items[0].lstrip().startswith("["):
+        try:
+            items = json.loads(items[0])
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--{name.replace('_', '-')}: not a JSON list: {e}") from None
+        if not isinstance(items, list) or not all(isinstance(i, str) for i in items):
+            raise ValueError(f"--{name.replace('_', '-')} must be a list of strings")
+    return items

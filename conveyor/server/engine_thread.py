@@ -71,6 +71,7 @@ class _Live:
     num_prompt_tokens: int
     num_samples: int = 1
     num_output_tokens: int = 0
+    last_token_time: float | None = None  # when a step last gave it tokens (time.monotonic)
 
     def deliver(self, item: RequestOutput | Exception) -> None:
         try:
@@ -169,8 +170,10 @@ class EngineThread:
 
     def __init__(self, build: Callable[[], LLMEngine], max_queue_len: int | None = None,
                  max_concurrent_requests: int | None = None,
-                 on_death: Callable[[], None] = lambda: None) -> None:
+                 on_death: Callable[[], None] = lambda: None,
+                 log_requests: bool = False) -> None:
         self.max_queue_len = max_queue_len
+        self.log_requests = log_requests  # a log line each finished request
         self.max_concurrent_requests = max_concurrent_requests
         self.metrics: ServerMetrics | None = None  # set by start
         self.death: str | None = None      # why the engine thread died, once it has
@@ -365,12 +368,18 @@ class EngineThread:
             if live is None:  # aborted while this step ran
                 continue
             num_output = sum(len(c.token_ids) for c in out.outputs)
+            if num_output > live.num_output_tokens:
+                now = time.monotonic()
+                if live.last_token_time is not None:
+                    self.metrics.inter_token.observe(now - live.last_token_time)
+                live.last_token_time = now
             self.metrics.generation_tokens.inc(num_output - live.num_output_tokens)
             live.num_output_tokens = num_output
             if out.finished:
                 del self._live[out.request_id]
                 self.metrics.observe_finished(out)
-                _log_finished(out, live)
+                if self.log_requests:
+                    _log_finished(out, live)
             live.deliver(out)
 
 

@@ -15,7 +15,7 @@ import uvicorn
 
 from conveyor.config import EngineConfig
 from conveyor.engine.engine import LLMEngine
-from conveyor.server.access import DEFAULT_MAX_BODY_BYTES, is_loopback
+from conveyor.server.access import DEFAULT_MAX_BODY_BYTES, is_loopback, with_cors
 from conveyor.server.app import build_app
 from conveyor.server.config import API_KEY_ENV, ServerConfig
 from conveyor.server.engine_thread import EngineThread
@@ -78,11 +78,15 @@ def run_server(config: EngineConfig, settings: ServerConfig) -> None:
             server.should_exit = True
 
     engine_thread = EngineThread(lambda: LLMEngine(config), settings.max_queue_len,
-                                 settings.max_concurrent_requests, on_death)
+                                 settings.max_concurrent_requests, on_death,
+                                 settings.enable_log_requests)
     engine = engine_thread.engine
     names = settings.served_model_name or [engine.model_name]
-    state = ServerState(engine, engine_thread, ServerMetrics(names[0], engine.max_model_len), names,
-                        settings.request_timeout, settings.reasoning_parser)
+    aliases = () if settings.served_model_name else tuple(
+        {config.model or engine.model_path, engine.model_path} - set(names))
+    state = ServerState(engine, engine_thread, ServerMetrics(names[0], engine.max_model_len,
+                                                            settings.metrics_prefix), names,
+                        settings.request_timeout, settings.reasoning_parser, aliases)
     if settings.reasoning_parser and think_tag_ids(engine.tokenizer)[1] is None:
         logger.warning("--reasoning-parser %s: %s is no token of this model's vocabulary, so "
                        "a constraint holds over the whole output, thinking included",
@@ -90,8 +94,9 @@ def run_server(config: EngineConfig, settings: ServerConfig) -> None:
     app = build_app(state, f"{_ready_message(state, settings)}; "
                            f"{_access_message(settings, api_key, dashboard_open)}",
                     api_key, dashboard_open, settings.max_body_bytes or DEFAULT_MAX_BODY_BYTES)
-    server = uvicorn.Server(uvicorn.Config(app, host=settings.host, port=settings.port,
-                                           log_level="info",
+    server = uvicorn.Server(uvicorn.Config(with_cors(app, settings), host=settings.host,
+                                           port=settings.port,
+                                           log_level=settings.uvicorn_log_level,
                                            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S))
     # uvicorn re-raises the signal it drained on; absorbing that re-raise makes the exit 0.
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -1,4 +1,6 @@
-"""Prometheus metrics with vLLM's meanings under a ``conveyor:`` prefix.
+"""Prometheus metrics with vLLM's meanings under a ``conveyor:`` prefix, or under vLLM's own
+names (``--metrics-prefix vllm``: ``vllm:num_requests_running``, ...) for its dashboards and
+routers.
 
 Each server owns a private registry, so two servers (or tests) in one process never share
 counters. Only the engine thread writes; prometheus_client makes reads from /metrics safe. No
@@ -39,22 +41,24 @@ def token_buckets(most: int) -> tuple[int, ...]:
 
 
 class ServerMetrics:
-    def __init__(self, model_name: str, max_model_len: int = 1 << 20) -> None:
+    def __init__(self, model_name: str, max_model_len: int = 1 << 20,
+                 prefix: str = "conveyor") -> None:
         self.registry = CollectorRegistry()
         ProcessCollector(registry=self.registry)
         self.model_name = model_name
+        self.prefix = prefix + ":"
         self._preemptions_seen = 0
 
         def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(f"conveyor:{name}", doc, ["model_name"],
+            return Gauge(self.prefix + name, doc, ["model_name"],
                          registry=self.registry).labels(model_name)
 
         def counter(name: str, doc: str) -> Counter:
-            return Counter(f"conveyor:{name}", doc, ["model_name"],
+            return Counter(self.prefix + name, doc, ["model_name"],
                            registry=self.registry).labels(model_name)
 
         def histogram(name: str, doc: str, buckets=_LATENCY_BUCKETS) -> Histogram:
-            return Histogram(f"conveyor:{name}", doc, ["model_name"], buckets=buckets,
+            return Histogram(self.prefix + name, doc, ["model_name"], buckets=buckets,
                              registry=self.registry).labels(model_name)
 
         self.running = gauge("num_requests_running", "Sequences in the running batch.")
@@ -74,16 +78,19 @@ class ServerMetrics:
                                         "constrained sequences took theirs from the cache.")
         self.grammar_seconds = counter("grammar_compile_seconds", "Time spent compiling.")
         self._grammar_seen = (0, 0, 0.0)
-        self._success = Counter("conveyor:request_success", "Finished requests by finish reason "
+        self._success = Counter(self.prefix + "request_success", "Finished requests by finish reason "
                                 "(a request of n samples counts once: 'error' or 'abort' if a "
                                 "sample ended so, else 'length' if one did, else 'stop').",
                                 ["model_name", "finished_reason"], registry=self.registry)
-        self._sample_success = Counter("conveyor:request_sample_success", "Finished samples "
+        self._sample_success = Counter(self.prefix + "request_sample_success", "Finished samples "
                                        "(each of a request's n) by finish reason.",
                                        ["model_name", "finished_reason"], registry=self.registry)
         self.ttft = histogram("time_to_first_token_seconds", "Arrival to first token.")
         self.tpot = histogram("time_per_output_token_seconds",
                               "Mean time between output tokens of a request.", _TPOT_BUCKETS)
+        self.inter_token = histogram("inter_token_latency_seconds",
+                                     "Time between a request's successive steps with output "
+                                     "tokens.", _TPOT_BUCKETS)
         self.e2e = histogram("e2e_request_latency_seconds", "Arrival to finish.")
         self.queue_time = histogram("request_queue_time_seconds", "Arrival to first scheduled.")
         self.prefill_time = histogram("request_prefill_time_seconds",
@@ -158,14 +165,14 @@ class ServerMetrics:
 
     def snapshot(self) -> dict[str, float]:
         """Every counter and gauge as /metrics shows it at this moment, summed over labels, by
-        name without the ``conveyor:`` prefix (counters keep their ``_total``)."""
+        name without the prefix (counters keep their ``_total``)."""
         values: dict[str, float] = {}
         for family in self.registry.collect():
             if family.type not in ("counter", "gauge"):
                 continue
             for sample in family.samples:
                 if not sample.name.endswith("_created"):
-                    name = sample.name.removeprefix("conveyor:")
+                    name = sample.name.removeprefix(self.prefix)
                     values[name] = values.get(name, 0.0) + sample.value
         return values
 

@@ -38,13 +38,15 @@ class ServerState:
     served_model_names: list[str]
     request_timeout: float | None = None  # --request-timeout: the default and the most
     reasoning_parser: str | None = None  # --reasoning-parser
+    # also answered to, unlisted: the model as given at launch (a path, say), as vLLM names it
+    aliases: tuple[str, ...] = ()
 
     @property
     def model_name(self) -> str:
         return self.served_model_names[0]
 
     def check_model(self, name: str | None) -> None:
-        if name is not None and name not in self.served_model_names:
+        if name is not None and name not in self.served_model_names and name not in self.aliases:
             raise APIError(404, f"the model {name!r} does not exist; this server serves "
                            f"{self.served_model_names}", "model", "model_not_found")
 

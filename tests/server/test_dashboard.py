@@ -1,8 +1,5 @@
-"""/dashboard in a real browser: Debian's chromium, driven by Playwright, while a burst runs.
-
-``.ci/run`` installs chromium and sets CONVEYOR_REQUIRE_BROWSER=1, so there a missing browser fails
-the run; elsewhere the test is skipped with the reason. Set CONVEYOR_SCREENSHOT_DIR to keep the
-screenshots (otherwise they go to pytest's temporary folder).
+"""/dashboard in a real browser (tests/browser.py) while a burst runs. Set
+CONVEYOR_SCREENSHOT_DIR to keep the screenshots (otherwise they go to pytest's temporary folder).
 """
 
 from __future__ import annotations
@@ -14,12 +11,11 @@ from pathlib import Path
 
 import httpx
 import pytest
+from browser import browser  # noqa: F401 (a fixture)
+from playwright.sync_api import Page
 
 from server_process import ServerProcess
 
-CHROMIUM = "/usr/bin/chromium"
-LAUNCH_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-                "--disable-component-update", "--disable-sync", "--no-first-run"]
 # what the page shows, by its data-metric name, and the /metrics sample each must equal
 SHOWN = ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc",
          "generation_tokens_total", "prompt_tokens_total", "request_success_total",
@@ -27,22 +23,7 @@ SHOWN = ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc",
 COUNTERS = ("generation_tokens_total", "prompt_tokens_total", "request_success_total",
             "num_preemptions_total")
 
-if not os.path.exists(CHROMIUM):
-    if os.environ.get("CONVEYOR_REQUIRE_BROWSER"):
-        raise RuntimeError(f"{CHROMIUM} is missing: apt-get install chromium")
-    pytest.skip(f"{CHROMIUM} is not installed (apt-get install chromium)", allow_module_level=True)
-
-from playwright.sync_api import Page, sync_playwright  # noqa: E402
-
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def browser():
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=LAUNCH_FLAGS)
-        yield browser
-        browser.close()
 
 
 @pytest.fixture

@@ -45,14 +45,14 @@ def test_llm_embed_matches_transformers_through_chunks_and_preemption(tiny, pool
     for prompt, out in zip(prompts, outs):
         with torch.no_grad():
             hidden = hf(torch.tensor([prompt])).last_hidden_state[0]
-        got = torch.tensor(out.embedding)
+        got = torch.tensor(out.outputs.embedding)  # vLLM's shape
         assert (got - pooled(hidden, pooling)).abs().max() < TOLERANCE
-        assert out.finished and out.outputs[0].token_ids == []
+        assert out.finished and out.prompt_token_ids == prompt
     raw = llm.embed({"prompt_token_ids": prompts[1]}, PoolingParams(normalize=False),
                     use_tqdm=False)[0]
     with torch.no_grad():
         hidden = hf(torch.tensor([prompts[1]])).last_hidden_state[0]
-    assert (torch.tensor(raw.embedding) - pooled(hidden, pooling, False)).abs().max() < 1e-3
+    assert (torch.tensor(raw.outputs.embedding) - pooled(hidden, pooling, False)).abs().max() < 1e-3
     assert_no_leak(llm)
     with pytest.raises(ValueError, match="embeds, it does not generate"):
         llm.generate("hello", SamplingParams(max_tokens=2), use_tqdm=False)

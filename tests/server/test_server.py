@@ -69,6 +69,9 @@ def test_one_model_and_the_tokenizer_routes(server, client, model, tokenizer):
         [0, 2, 4], ["<|endoftext|>", "<|im_end|>", "<reponame>"])
     with pytest.raises(openai.NotFoundError):
         client.models.retrieve("no-such-model")
+    # the model as given at launch (here the default's path) is a name too, as in vLLM
+    by_path = client.completions.create(model=default_model_path(), prompt="Hi", max_tokens=1)
+    assert by_path.usage.completion_tokens == 1
     url = server.base_url
     ids = tokenizer.encode(PROMPT)
     got = httpx.post(f"{url}/tokenize", json={"model": model, "prompt": PROMPT,

@@ -15,7 +15,7 @@ BODY = {"prompt": "Count slowly from one to fifty:", "max_tokens": 24, "temperat
 
 @pytest.fixture(scope="module")
 def small_server():
-    proc = ServerProcess("--max-queue-len", "2", "--max-num-seqs", "2")
+    proc = ServerProcess("--max-queue-len", "2", "--max-num-seqs", "2", "--enable-log-requests")
     try:
         proc.wait_ready()
         yield proc

@@ -37,7 +37,7 @@ from starlette.background import BackgroundTask
 from conveyor.config import EngineConfig
 from conveyor.model.loader import default_model_path, load_tokenizer
 from conveyor.process import ConveyorServer
-from conveyor.server.access import ApiKeyGuard, is_loopback
+from conveyor.server.access import ApiKeyGuard, is_loopback, with_cors
 from conveyor.server.config import ServerConfig
 from conveyor.server.data_parallel.router import NoReplicaUp, Router
 from conveyor.server.errors import APIError
@@ -398,8 +398,9 @@ def run_front(engine: EngineConfig, settings: ServerConfig) -> None:
                       check_replicas)
     # (the local replicas check the key too; those by URL are checked here)
     guarded = ApiKeyGuard(app, api_key, settings.dashboard_public or is_loopback(settings.host))
-    server = uvicorn.Server(uvicorn.Config(guarded, host=settings.host, port=settings.port,
-                                           log_level="info"))
+    server = uvicorn.Server(uvicorn.Config(with_cors(guarded, settings), host=settings.host,
+                                           port=settings.port,
+                                           log_level=settings.uvicorn_log_level))
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: None)
     logger.info("ready on http://%s:%d: %d data-parallel replicas, %d local (%s)%s",
