@@ -5,8 +5,7 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from conveyor.core.kv_cache_manager import KV_LAYOUTS
 from conveyor.core.scheduler import POLICIES, SCHEDULING_POLICIES, SchedulerConfig
@@ -14,8 +13,12 @@ from conveyor.kernels import isa
 from conveyor.sampling_params import POOLING_TYPES
 from conveyor.settings import check_choices, setting
 
-_DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
-           "float16": torch.float16, "half": torch.float16}
+if TYPE_CHECKING:
+    import torch
+
+# torch is imported where a dtype or device is made, so that the CLI's --help needs none
+_DTYPES = {"float32": "float32", "float": "float32", "bfloat16": "bfloat16",
+           "float16": "float16", "half": "float16"}
 _UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "kib": 2**10, "m": 1e6, "mb": 1e6, "mib": 2**20,
           "g": 1e9, "gb": 1e9, "gib": 2**30, "t": 1e12, "tb": 1e12, "tib": 2**40}
 # --quantization: GGUF block types gguf-py quantizes to (llama.cpp's reference rounding)
@@ -145,6 +148,8 @@ class EngineConfig:
                                self.policy, self.scheduling_policy)
 
     def torch_device(self) -> torch.device:
+        import torch
+
         if self.device is not None:
             return torch.device(self.device)
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -153,8 +158,10 @@ class EngineConfig:
         """auto: float32 for a float32 checkpoint; else on CUDA the checkpoint's half type, and on
         a CPU bfloat16 only where it computes bfloat16 natively (the avx512 and amx tiers, ARM's
         BF16), float32 elsewhere."""
+        import torch
+
         if self.dtype != "auto":
-            return _DTYPES[self.dtype]
+            return getattr(torch, _DTYPES[self.dtype])
         if checkpoint_dtype == "float32":
             return torch.float32
         if device.type == "cuda":
@@ -176,6 +183,8 @@ class EngineConfig:
         if self.kv_cache_memory is not None:
             return self.kv_cache_memory
         if device.type == "cuda":
+            import torch
+
             free, _ = torch.cuda.mem_get_info(device)
             return int(free * DEFAULT_CUDA_KV_SHARE)
         return int(min(available_ram() * DEFAULT_CPU_KV_SHARE, DEFAULT_CPU_KV_CAP))

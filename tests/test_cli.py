@@ -148,3 +148,13 @@ def test_cors_lists_take_vllms_json_or_items():
     assert ServerConfig(allowed_methods=["GET", "POST"]).allowed_methods == ["GET", "POST"]
     with pytest.raises(ValueError, match="--allowed-headers: not a JSON list"):
         ServerConfig(allowed_headers=["[oops"])
+
+
+def test_help_and_version_import_no_torch():
+    """The CLI's parsers (every flag's help and default) load without torch, so `--help` and
+    `--version` answer at once (torch alone takes seconds to import)."""
+    probe = ("import sys; from conveyor.cli import build_parser; build_parser(); "
+             "import conveyor; conveyor.__version__; print('torch' in sys.modules)")
+    res = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                         timeout=120)
+    assert res.returncode == 0 and res.stdout.strip() == "False", res.stderr
