@@ -64,6 +64,9 @@ class EngineConfig:
         None, "embed: how a prompt's hidden states become one vector (default: the model's, "
               "from a sentence-transformers folder or a GGUF; else last)",
         choices=POOLING_TYPES)
+    chat_template: str | None = setting(
+        None, "a Jinja chat template in place of the model's: a file holding it, or the "
+              "template itself (vLLM's flag)", metavar="FILE_OR_TEMPLATE")
     dtype: str = setting("auto", "the model's dtype", choices=("auto", *_DTYPES))
     block_size: int = setting(16, "tokens per KV page")
     num_kv_blocks: int | None = setting(None, "KV pages in the pool")

@@ -23,7 +23,8 @@ from conveyor.core.scheduler import Scheduler
 from conveyor.core.timeline import BatchTimeline, StepRecord
 from conveyor.engine import faults
 from conveyor.engine.detokenizer import IncrementalDetokenizer
-from conveyor.engine.input_processor import InputProcessor, Prompt, check_chat_template
+from conveyor.engine.input_processor import (InputProcessor, Prompt, chat_template_from,
+                                             check_chat_template)
 from conveyor.engine.output_processor import OutputProcessor, RequestState, SampleState
 from conveyor.model.config import ModelConfig
 from conveyor.model.kv_cache import kv_storage
@@ -107,6 +108,8 @@ class LLMEngine:
         self.model_path = loaded.path
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
+        if config.chat_template is not None:
+            self.tokenizer.chat_template = chat_template_from(config.chat_template)
         check_chat_template(self.tokenizer, loaded.name)
         self.eos_token_ids = frozenset(loaded.eos_token_ids)
         # embeddings: the flag's pooling, else the model's, else the last token's (vLLM's)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import os
 
 import jinja2
 import transformers
@@ -62,6 +63,16 @@ def render_chat(tokenizer, model_name: str, messages: list[dict],
     except (jinja2.exceptions.TemplateError, TypeError) as e:
         raise ValueError(f"the chat template of {model_name} failed on these "
                          f"messages: {e}") from e
+
+
+def chat_template_from(given: str) -> str:
+    """--chat-template's value: a file's text, or the template itself (vLLM reads both)."""
+    if os.path.isfile(given):
+        with open(given, encoding="utf-8") as f:
+            return f.read()
+    if "{{" in given or "{%" in given:
+        return given
+    raise ValueError(f"--chat-template: {given!r} is neither a file nor a Jinja template")
 
 
 def check_chat_template(tokenizer, model_name: str) -> None:

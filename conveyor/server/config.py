@@ -46,6 +46,9 @@ class ServerConfig:
     allowed_headers: list[str] | None = setting(
         None, "request headers those pages may send (default: all)", metavar="HEADER")
     allow_credentials: bool = setting(False, "let those pages send cookies and credentials")
+    max_logprobs: int = setting(
+        20, "the most logprobs (completions), top_logprobs (chat) or prompt_logprobs a request "
+            "may ask for (vLLM's)")
     enable_log_requests: bool = setting(
         False, "log a line for each finished request (tokens, queue, prefill and decode time)")
     uvicorn_log_level: str = setting("info", "uvicorn's log level (its access log is at info)",
@@ -66,6 +69,8 @@ class ServerConfig:
         check_choices(self)
         for name in ("allowed_origins", "allowed_methods", "allowed_headers"):
             setattr(self, name, _json_or_items(name, getattr(self, name)))
+        if self.max_logprobs < 0:
+            raise ValueError(f"--max-logprobs must be >= 0, got {self.max_logprobs}")
         for name in ("max_queue_len", "max_concurrent_requests", "max_body_bytes"):
             value = getattr(self, name)
             if value is not None and value < 1:

@@ -86,7 +86,8 @@ def run_server(config: EngineConfig, settings: ServerConfig) -> None:
         {config.model or engine.model_path, engine.model_path} - set(names))
     state = ServerState(engine, engine_thread, ServerMetrics(names[0], engine.max_model_len,
                                                             settings.metrics_prefix), names,
-                        settings.request_timeout, settings.reasoning_parser, aliases)
+                        settings.request_timeout, settings.reasoning_parser, aliases,
+                        settings.max_logprobs)
     if settings.reasoning_parser and think_tag_ids(engine.tokenizer)[1] is None:
         logger.warning("--reasoning-parser %s: %s is no token of this model's vocabulary, so "
                        "a constraint holds over the whole output, thinking included",

@@ -154,7 +154,7 @@ class SamplingFields(BaseModel):
     logit_bias: dict[int, float] | None = Field(None, max_length=1024, description=
                                                 "token id -> a value in [-100, 100] added to "
                                                 "its logit (OpenAI's)")
-    prompt_logprobs: int | None = Field(None, ge=0, le=20, description=
+    prompt_logprobs: int | None = Field(None, ge=0, description=
                                         "vLLM's: each prompt token's logprob and this many "
                                         "alternatives, in the response's prompt_logprobs")
     priority: int = Field(0, description="lower runs first under --scheduling-policy priority")
@@ -269,7 +269,7 @@ class CompletionRequest(SamplingFields):
              | Annotated[list[list[int]], Field(max_length=MAX_PROMPTS)])
     max_tokens: int = Field(16, ge=0, description="0 with echo: the prompt alone (with "
                             "logprobs, its log-likelihood)")
-    logprobs: int | None = Field(None, ge=0, le=20)
+    logprobs: int | None = Field(None, ge=0, description="at most --max-logprobs (20)")
     echo: bool = False
 
 
@@ -358,7 +358,7 @@ class ChatCompletionRequest(SamplingFields):
     max_tokens: int | None = Field(None, ge=1, description="deprecated by OpenAI; still honoured")
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
+    top_logprobs: int | None = Field(None, ge=0, description="at most --max-logprobs (20)")
     add_generation_prompt: bool = True
     continue_final_message: bool = Field(False, description=
                                          "vLLM's: continue the last message's text (with "

@@ -40,6 +40,7 @@ class ServerState:
     reasoning_parser: str | None = None  # --reasoning-parser
     # also answered to, unlisted: the model as given at launch (a path, say), as vLLM names it
     aliases: tuple[str, ...] = ()
+    max_logprobs: int = 20  # --max-logprobs
 
     @property
     def model_name(self) -> str:
@@ -56,6 +57,12 @@ class ServerState:
         """The request's sampling parameters, its output constraint compiled (off the event
         loop: a large schema takes a while) so that one the engine cannot enforce is a 400
         naming the field it came from."""
+        asked = "top_logprobs" if "top_logprobs" in type(body).model_fields else "logprobs"
+        for name, value in ((asked, logprobs), ("prompt_logprobs", body.prompt_logprobs)):
+            most = min(self.max_logprobs, self.engine.model_config.vocab_size)
+            if value is not None and value > most:
+                raise bad_request(f"{name} may be at most {most} (--max-logprobs), got {value}",
+                                  name)
         try:
             found = body.constraint(tools)
             params = body.sampling_params(max_tokens, logprobs, found and found[0])

@@ -1,7 +1,7 @@
 """What a vLLM setup meets, on a server started from a vLLM-style launch line: CORS (vLLM's
 --allowed-origins/--allowed-methods/--allowed-headers, also from a real browser page on another
 origin: Debian's chromium, tests/browser.py), /ping, request logging, uvicorn's log level, and
-vLLM's metric names (--metrics-prefix vllm)."""
+vLLM's metric names (--metrics-prefix vllm), --max-logprobs."""
 
 from __future__ import annotations
 
@@ -42,6 +42,7 @@ def origins():
 def server(origins):
     with running_server("--trust-remote-code", "--enable-auto-tool-choice", "--tool-call-parser",
                         "hermes", "--uvicorn-log-level", "warning", "--metrics-prefix", "vllm",
+                        "--max-logprobs", "25",
                         "--allowed-origins", f'["{origins[0]}"]') as proc:
         yield proc
 
@@ -122,3 +123,18 @@ def test_a_page_on_another_origin_calls_the_api_from_a_real_browser(server, orig
         assert got.get("status") == 200 and isinstance(got["content"], str), got
         refused = fetch_from(browser, origins[1], server)
         assert "Failed to fetch" in refused.get("error", ""), refused
+
+
+def test_max_logprobs_bounds_each_kind_of_logprobs(server):
+    url = server.base_url
+    r = httpx.post(f"{url}/v1/completions", timeout=120,
+                   json={"prompt": "Hello", "max_tokens": 1, "logprobs": 25})
+    assert r.status_code == 200 and len(r.json()["choices"][0]["logprobs"]["top_logprobs"][0]) == 25
+    for path, body, field in (
+            ("/v1/completions", {"prompt": "Hello", "logprobs": 26}, "logprobs"),
+            ("/v1/completions", {"prompt": "Hello", "prompt_logprobs": 26}, "prompt_logprobs"),
+            ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}],
+                                      "logprobs": True, "top_logprobs": 26}, "top_logprobs")):
+        r = httpx.post(f"{url}{path}", json={**body, "max_tokens": 1}, timeout=120)
+        assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+        assert "at most 25 (--max-logprobs)" in r.json()["error"]["message"]
