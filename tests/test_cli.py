@@ -119,6 +119,9 @@ def test_bench_without_a_server_is_one_line(cli):
     assert code == 2 and len(lines) == 1, err
     assert lines[0].startswith("conveyor: error: no OpenAI-compatible server answers at "
                                "http://127.0.0.1:9/v1/models")
+    # vLLM's --host and --port say the same
+    code, _, err = cli("bench", "serve", "--host", "127.0.0.1", "--port", "9", "--num-prompts", "1")
+    assert code == 2 and "answers at http://127.0.0.1:9/v1/models" in err
 
 
 def test_serve_accepts_vllm_only_flags_with_a_line_each(tmp_path, cli):

@@ -60,8 +60,11 @@ def server_url(text: str) -> str:
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--base-url", default="http://127.0.0.1:8000", type=server_url,
-                   help="the server's root (a trailing /v1 is accepted)")
+    p.add_argument("--base-url", default=None, type=server_url,
+                   help="the server's root (a trailing /v1 is accepted); default: --host and "
+                        "--port")
+    p.add_argument("--host", default="127.0.0.1", help="the server's host (vLLM's)")
+    p.add_argument("--port", type=int, default=8000, help="the server's port (vLLM's)")
     p.add_argument("--model", default=None, help="model name to send (default: the server's first)")
     add_workload_args(p)
     p.add_argument("--save-result", action="store_true")
@@ -169,6 +172,8 @@ def benchmark(args: argparse.Namespace, workload: list[BenchRequest] | None = No
     selected, percentiles = parse_selection(args)
     slos = parse_goodput(args.goodput)
     workload = workload if workload is not None else build_workload(args)
+    if args.base_url is None:
+        args.base_url = f"http://{args.host}:{args.port}"
     model = args.model or served_model(args.base_url)
     gaps = arrival_gaps(len(workload), args.request_rate, args.burstiness, args.seed)
     results, duration = asyncio.run(run_load(args.base_url, args.endpoint, model, workload, gaps,
