@@ -26,6 +26,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import httpx
+from tqdm import tqdm
 
 from conveyor.process import ConveyorServer
 
@@ -122,11 +123,13 @@ def write_kv_pool(base_url: str, headers: dict, seed: int = 0) -> None:
     rng = random.Random(seed)
     left = settings["num_kv_pages"] * settings["block_size"]
     length = min(settings["max_model_len"] - 1, 2048)
-    while left > 0:
-        prompt = [rng.randrange(100, 10_000) for _ in range(length)]
-        httpx.post(f"{base_url}/v1/completions", headers=headers, timeout=600, json={
-            "model": settings["model"], "prompt": prompt, "max_tokens": 1}).raise_for_status()
-        left -= length
+    with tqdm(total=left, desc="writing every KV page once", unit="tok") as bar:
+        while left > 0:
+            prompt = [rng.randrange(100, 10_000) for _ in range(length)]
+            httpx.post(f"{base_url}/v1/completions", headers=headers, timeout=600, json={
+                "model": settings["model"], "prompt": prompt, "max_tokens": 1}).raise_for_status()
+            left -= length
+            bar.update(length)
 
 
 def _is_openai_error(response: httpx.Response) -> bool:
@@ -261,13 +264,15 @@ async def run_soak(base_url: str, headers: dict, num_requests: int, concurrency:
                 outcome = Outcome("failed", outcome.status, outcome.seconds,
                                   f"a bad request was not refused with a 4xx: {outcome}")
             outcomes.append(outcome)
+            bar.update()
             if len(outcomes) == checkpoint:
                 await asyncio.to_thread(at_checkpoint)
 
     limits = httpx.Limits(max_connections=concurrency)
-    async with httpx.AsyncClient(base_url=base_url, headers=headers, limits=limits,
-                                 timeout=httpx.Timeout(600.0)) as http:
-        await asyncio.gather(*(client(http) for _ in range(concurrency)))
+    with tqdm(total=num_requests, desc="soak", unit="req") as bar:
+        async with httpx.AsyncClient(base_url=base_url, headers=headers, limits=limits,
+                                     timeout=httpx.Timeout(600.0)) as http:
+            await asyncio.gather(*(client(http) for _ in range(concurrency)))
     return outcomes
 
 
