@@ -36,18 +36,37 @@ def _generate(args: argparse.Namespace) -> None:
     prompts = args.prompt or ["The three most useful things to know about continuous batching are"]
     t0 = time.monotonic()
     try:
-        outputs = (llm.chat([[{"role": "user", "content": p}] for p in prompts], params,
-                            use_tqdm=False)
-                   if args.chat else llm.generate(prompts, params, use_tqdm=False))
+        if len(prompts) == 1:  # to the terminal as it comes
+            print(f"--- {prompts[0]!r}")
+            outputs = [_streamed(llm, prompts[0], params, args.chat)]
+        else:
+            outputs = (llm.chat([[{"role": "user", "content": p}] for p in prompts], params,
+                                use_tqdm=False)
+                       if args.chat else llm.generate(prompts, params, use_tqdm=False))
     finally:
         llm.engine.shutdown()
     elapsed = time.monotonic() - t0
     for prompt, out in zip(prompts, outputs):
         c = out.outputs[0]
-        print(f"--- {prompt!r}\n{c.text}\n[{len(c.token_ids)} tokens, finish: {c.finish_reason}]")
+        text = "" if len(prompts) == 1 else f"--- {prompt!r}\n{c.text}"
+        print(f"{text}\n[{len(c.token_ids)} tokens, finish: {c.finish_reason}]")
     total = sum(len(o.outputs[0].token_ids) for o in outputs)
     print(f"--- {len(outputs)} requests, {total} tokens in {elapsed:.2f} s "
           f"({total / elapsed:.1f} tok/s)")
+
+
+def _streamed(llm, prompt: str, params, chat: bool):
+    """One prompt's output, its text printed as the steps make it (the server's deltas)."""
+    from conveyor.server.streaming import TextDeltas
+
+    given = ({"prompt_token_ids": llm.engine.inputs.apply_chat_template(
+        [{"role": "user", "content": prompt}])} if chat else prompt)
+    llm.engine.add_request("generate", given, params)
+    deltas, out = TextDeltas([]), None  # (no stop strings here to hold back)
+    while llm.engine.has_unfinished_requests():
+        for out in llm.engine.step():
+            print(deltas.next(out.outputs[0])[0], end="", flush=True)
+    return out
 
 
 def _env(args: argparse.Namespace) -> None:
