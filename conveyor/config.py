@@ -55,7 +55,10 @@ class EngineConfig:
     ``conveyor serve`` flags and ``LLM``'s keywords are these fields (``conveyor.settings``)."""
 
     model: str | None = setting(
-        None, "a .gguf file or a Hugging Face folder (default: SmolLM2-135M-Instruct)")
+        None, "a .gguf file, a Hugging Face folder, or a Hub repo id (org/name, from the local "
+              "Hub cache or downloaded; org/name:FILE.gguf picks one GGUF) (default: "
+              "SmolLM2-135M-Instruct)")
+    revision: str | None = setting(None, "a repo id's branch, tag or commit (vLLM's)")
     task: str = setting(
         "generate", "generate: text (completions, chat); embed: a vector per input "
                     "(/v1/embeddings, LLM.embed): the last hidden states pooled, as vLLM's "

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import logging
+import os
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -28,6 +29,7 @@ from conveyor.engine.input_processor import (InputProcessor, Prompt, chat_templa
 from conveyor.engine.output_processor import OutputProcessor, RequestState, SampleState
 from conveyor.model.config import ModelConfig
 from conveyor.model.kv_cache import kv_storage
+from conveyor.model.hub import resolve_model
 from conveyor.model.loader import load_model
 from conveyor.model.rope import longrope_switch
 from conveyor.outputs import RequestOutput
@@ -103,8 +105,10 @@ class LLMEngine:
         gc.freeze()
 
     def _load(self, config: EngineConfig, started: float) -> None:
-        loaded = load_model(config.model, config.quantization)
-        self.model_name = loaded.name
+        given = config.model
+        loaded = load_model(resolve_model(given, config.revision), config.quantization)
+        # a repo id is the model's name, as vLLM's (its cache folder is a commit hash)
+        self.model_name = loaded.name if given is None or os.path.exists(given) else given
         self.model_path = loaded.path
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer

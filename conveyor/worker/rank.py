@@ -9,6 +9,7 @@ import os
 import torch
 
 from conveyor.config import EngineConfig
+from conveyor.model.hub import resolve_model
 from conveyor.model.loader import load_model
 from conveyor.worker.runner import ModelRunner
 from conveyor.worker.tensor_parallel import TensorParallel, rank_device, set_threads
@@ -32,7 +33,7 @@ def run_worker(config: EngineConfig, rank: int | None = None, init_method: str |
         torch.set_num_threads(threads)
     group = TensorParallel(rank, config.tensor_parallel_size, init_method,
                            rank_device(device, local_rank))
-    loaded = load_model(config.model, config.quantization)
+    loaded = load_model(resolve_model(config.model, config.revision), config.quantization)
     setup = group.receive()
     runner = ModelRunner(loaded.config, loaded.weights, quantized=loaded.quantized,
                          device=group.device, seed=config.seed, block_size=config.block_size,

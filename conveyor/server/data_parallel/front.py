@@ -35,6 +35,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from starlette.background import BackgroundTask
 
 from conveyor.config import EngineConfig
+from conveyor.model.hub import resolve_model
 from conveyor.model.loader import default_model_path, load_tokenizer
 from conveyor.process import ConveyorServer
 from conveyor.server.access import ApiKeyGuard, is_loopback, with_cors
@@ -366,7 +367,7 @@ def run_front(engine: EngineConfig, settings: ServerConfig) -> None:
     # each replica's ranks get the machine's cores shared out, unless --threads says
     threads = max(1, (os.cpu_count() or 1) // (max(n, 1) * engine.tensor_parallel_size))
     flags = replica_flags(engine, settings, threads)
-    tokenizer = load_tokenizer(engine.model)
+    tokenizer = load_tokenizer(resolve_model(engine.model, engine.revision))
     local = [ConveyorServer(flags, None) for _ in range(n)]
     for r in local:  # all load at once
         r.start()
