@@ -111,12 +111,23 @@ VLLM_ONLY_FLAGS = {
 }
 
 
+# vLLM's names for Conveyor's settings: (flag, value) -> Conveyor's flags
+VLLM_SPELLINGS = {("--runner", "pooling"): ["--task", "embed"],
+                  ("--runner", "generate"): ["--task", "generate"], ("--runner", "auto"): []}
+
+
 def _without_vllm_only_flags(argv: list[str]) -> list[str]:
     """``serve``'s arguments less VLLM_ONLY_FLAGS (``--flag value`` or ``--flag=value``), each
-    noted on stderr."""
+    noted on stderr, and with VLLM_SPELLINGS in Conveyor's words."""
     kept, i = [], 0
     while i < len(argv):
-        name = argv[i].split("=", 1)[0]
+        name, equals, value = argv[i].partition("=")
+        if not equals and i + 1 < len(argv):
+            value = argv[i + 1]
+        if (name, value) in VLLM_SPELLINGS:
+            kept += VLLM_SPELLINGS[name, value]
+            i += 1 if equals else 2
+            continue
         if name not in VLLM_ONLY_FLAGS:
             kept.append(argv[i])
             i += 1

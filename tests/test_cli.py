@@ -161,3 +161,14 @@ def test_help_and_version_import_no_torch():
     res = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
                          timeout=120)
     assert res.returncode == 0 and res.stdout.strip() == "False", res.stderr
+
+
+def test_vllm_runner_is_conveyors_task():
+    from conveyor.cli import _without_vllm_only_flags, build_parser
+
+    argv = _without_vllm_only_flags(["m.gguf", "--runner", "pooling", "--port", "9"])
+    assert argv == ["m.gguf", "--task", "embed", "--port", "9"]
+    assert build_parser().parse_args(["serve", *argv]).task == "embed"
+    assert _without_vllm_only_flags(["--runner=generate"]) == ["--task", "generate"]
+    assert _without_vllm_only_flags(["--runner", "auto"]) == []
+    assert _without_vllm_only_flags(["--runner", "draft"]) == ["--runner", "draft"]  # refused
