@@ -33,6 +33,7 @@ from conveyor.server.protocol import (
 )
 from conveyor.server.responses import create_response
 from conveyor.server.responses_protocol import ResponseObject, ResponsesRequest
+from conveyor.server.scoring import scoring_router
 from conveyor.server.state import ServerState, engine_failure, refusal_error
 from conveyor.server.tokenize import tokenize_router
 
@@ -69,6 +70,7 @@ def build_app(state: ServerState, ready_message: str = "", api_key: str | None =
     install_error_handlers(app)
     app.include_router(dashboard_router(state))
     app.include_router(tokenize_router(state))
+    app.include_router(scoring_router(state))
     mount_static(app)
 
     def refusal() -> APIError | None:

@@ -62,21 +62,31 @@ def _encoded(vector: list[float], encoding: str) -> list[float] | str:
     return base64.b64encode(np.asarray(vector, dtype="<f4").tobytes()).decode()
 
 
-async def create_embedding(body: EmbeddingRequest, raw: Request, state: ServerState
-                           ) -> Response | EmbeddingResponse:
-    state.check_model(body.model)
+async def embed(state: ServerState, raw: Request, inputs, param: str
+                ) -> tuple[str, list[list[float]], int] | None:
+    """(request id, a vector per input, prompt tokens) of an embed server; None when the
+    client left. A generation server answers 400 naming ``param``."""
     if state.engine.config.task != "embed":
-        raise bad_request("this server generates text; embeddings need a server started with "
-                          "--task embed", "input", "wrong_task")
+        raise bad_request(f"this server generates text; {raw.url.path} needs a server started "
+                          "with --task embed", param, "wrong_task")
     params = PoolingParams()
-    checked = [state.check_prompt(p, params, "input") for p in prompt_list(body.input, "input")]
+    checked = [state.check_prompt(p, params, param) for p in prompt_list(inputs, param)]
     request_id, submission = state.submit("embd", [ids for _, ids in checked], params)
     finals = await collect(raw, submission, len(checked))
     if finals is None:
+        return None
+    return request_id, [out.embedding for out in finals], sum(len(ids) for _, ids in checked)
+
+
+async def create_embedding(body: EmbeddingRequest, raw: Request, state: ServerState
+                           ) -> Response | EmbeddingResponse:
+    state.check_model(body.model)
+    done = await embed(state, raw, body.input, "input")
+    if done is None:
         return Response(status_code=499)
-    tokens = sum(len(ids) for _, ids in checked)
+    request_id, vectors, tokens = done
     return EmbeddingResponse(
         id=request_id, model=state.model_name,
-        data=[Embedding(embedding=_encoded(out.embedding, body.encoding_format), index=i)
-              for i, out in enumerate(finals)],
+        data=[Embedding(embedding=_encoded(v, body.encoding_format), index=i)
+              for i, v in enumerate(vectors)],
         usage=EmbeddingUsage(prompt_tokens=tokens, total_tokens=tokens))

@@ -115,3 +115,37 @@ def test_embedding_errors(server, client, model):
     r = httpx.post(f"{server.base_url}/v1/completions", json={"prompt": "x", "max_tokens": 1},
                    timeout=30)
     assert r.status_code == 400 and "embeds" in r.json()["error"]["message"], r.text
+
+
+def test_score_rerank_and_pooling_are_cosines_of_the_embeddings(server, client, model):
+    """vLLM's pooling routes on an embed server, against /v1/embeddings' own vectors."""
+    query, docs = "Where is Paris?", ["Paris is in France.", "A cat sat.", "France's capital"]
+    vectors = [torch.tensor(d.embedding) for d in client.embeddings.create(
+        model=model, input=[query, *docs], encoding_format="float").data]
+    want = [float(torch.nn.functional.cosine_similarity(vectors[0], v, dim=0))
+            for v in vectors[1:]]
+    url = server.base_url
+    for path in ("/score", "/v1/score"):
+        r = httpx.post(f"{url}{path}", json={"model": model, "text_1": query, "text_2": docs},
+                       timeout=60).json()
+        assert [d["index"] for d in r["data"]] == [0, 1, 2]
+        assert [d["score"] for d in r["data"]] == pytest.approx(want, abs=1e-5)
+    pairwise = httpx.post(f"{url}/score", json={"text_1": [query, query], "text_2": docs[:2]},
+                          timeout=60).json()
+    assert [d["score"] for d in pairwise["data"]] == pytest.approx(want[:2], abs=1e-5)
+    uneven = httpx.post(f"{url}/score", json={"text_1": [query, query], "text_2": docs},
+                        timeout=60)
+    assert uneven.status_code == 400 and uneven.json()["error"]["param"] == "text_1"
+    for path in ("/rerank", "/v1/rerank"):
+        r = httpx.post(f"{url}{path}", json={"query": query, "documents": docs, "top_n": 2},
+                       timeout=60).json()
+        best = sorted(range(3), key=lambda i: -want[i])[:2]
+        assert [x["index"] for x in r["results"]] == best
+        assert [x["relevance_score"] for x in r["results"]] == pytest.approx(
+            [want[i] for i in best], abs=1e-5)
+        assert r["results"][0]["document"]["text"] == docs[best[0]]
+    pooled_out = httpx.post(f"{url}/pooling", json={"input": [query]}, timeout=60).json()
+    assert pooled_out["data"][0]["data"] == pytest.approx(vectors[0].tolist(), abs=1e-6)
+    classify = httpx.post(f"{url}/classify", json={"input": query}, timeout=60)
+    assert classify.status_code == 400 and "no classification head" in classify.json()[
+        "error"]["message"]

@@ -542,10 +542,16 @@ def test_reset_prefix_cache(server, client, model):
     assert out.usage.prompt_tokens_details.cached_tokens == 0
 
 
-def test_embeddings_on_a_generation_server_are_a_clear_400(client, model):
+def test_embeddings_on_a_generation_server_are_a_clear_400(server, client, model):
     with pytest.raises(openai.BadRequestError) as e:
         client.embeddings.create(model=model, input="hello")
     assert "--task embed" in e.value.body["message"]
+    for path, body in (("/score", {"text_1": "a", "text_2": "b"}),
+                       ("/v1/rerank", {"query": "a", "documents": ["b"]}),
+                       ("/pooling", {"input": "a"})):
+        r = httpx.post(f"{server.base_url}{path}", json=body, timeout=30)
+        assert r.status_code == 400 and f"{path} needs a server started with --task embed" in \
+            r.json()["error"]["message"], r.text
 
 
 def test_success_counts_requests_and_samples_apart(server, client, model):
