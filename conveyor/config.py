@@ -59,6 +59,9 @@ class EngineConfig:
               "Hub cache or downloaded; org/name:FILE.gguf picks one GGUF) (default: "
               "SmolLM2-135M-Instruct)")
     revision: str | None = setting(None, "a repo id's branch, tag or commit (vLLM's)")
+    tokenizer: str | None = setting(
+        None, "the tokenizer (and chat template) of another .gguf, folder or repo id, in place "
+              "of the model's (vLLM's; default: the model's own)")
     task: str = setting(
         "generate", "generate: text (completions, chat); embed: a vector per input "
                     "(/v1/embeddings, LLM.embed): the last hidden states pooled, as vLLM's "

@@ -30,7 +30,7 @@ from conveyor.engine.output_processor import OutputProcessor, RequestState, Samp
 from conveyor.model.config import ModelConfig
 from conveyor.model.kv_cache import kv_storage
 from conveyor.model.hub import resolve_model
-from conveyor.model.loader import load_model
+from conveyor.model.loader import load_model, load_tokenizer
 from conveyor.model.rope import longrope_switch
 from conveyor.outputs import RequestOutput
 from conveyor.sampling_params import PoolingParams, SamplingParams
@@ -111,7 +111,8 @@ class LLMEngine:
         self.model_name = loaded.name if given is None or os.path.exists(given) else given
         self.model_path = loaded.path
         self.model_config = loaded.config
-        self.tokenizer = loaded.tokenizer
+        self.tokenizer = (loaded.tokenizer if config.tokenizer is None
+                          else load_tokenizer(resolve_model(config.tokenizer)))
         if config.chat_template is not None:
             self.tokenizer.chat_template = chat_template_from(config.chat_template)
         check_chat_template(self.tokenizer, loaded.name)

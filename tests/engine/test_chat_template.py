@@ -1,10 +1,10 @@
 """--chat-template (vLLM's flag): a file or the template itself replaces the model's, and is
-sandboxed as the model's own."""
+sandboxed as the model's own; --tokenizer: another model's tokenizer and template."""
 
 from __future__ import annotations
 
 import pytest
-from tiny_models import make_tiny_checkpoint
+from tiny_models import TINY_VOCAB, make_tiny_checkpoint, make_tiny_model, write_gguf
 
 from conveyor.llm import LLM
 
@@ -44,3 +44,17 @@ def test_a_given_template_is_sandboxed_as_the_models(folder):
     with pytest.raises(ValueError, match="was refused: it tried to reach Python internals"):
         LLM(model=folder, dtype="float32", num_kv_blocks=16,
             chat_template="{{ ''.__class__.__mro__[1].__subclasses__() }}")
+
+
+def test_another_tokenizer_replaces_the_models(folder, tmp_path):
+    from conveyor.model.loader import load_tokenizer
+
+    # a GGUF whose tokenizer is a small vocabulary of its own, not the folder's
+    other_path = write_gguf(str(tmp_path / "other.gguf"),
+                            make_tiny_model("llama", vocab_size=len(TINY_VOCAB)), tokenizer=True)
+    other = load_tokenizer(other_path)
+    llm = LLM(model=folder, dtype="float32", num_kv_blocks=16, tokenizer=other_path)
+    text = "the cat"
+    assert llm.engine.tokenizer.encode(text) == other.encode(text)
+    own = LLM(model=folder, dtype="float32", num_kv_blocks=16).engine.tokenizer
+    assert own.encode(text) != other.encode(text)
