@@ -70,6 +70,11 @@ class EngineConfig:
         None, "embed: how a prompt's hidden states become one vector (default: the model's, "
               "from a sentence-transformers folder or a GGUF; else last)",
         choices=POOLING_TYPES)
+    generation_config: str = setting(
+        "auto", "sampling defaults for requests that leave them unset: auto, the model's own "
+                "(a folder's generation_config.json, a GGUF's general.sampling.*); vllm, none "
+                "(the API's defaults); or a folder holding generation_config.json (vLLM's)",
+        metavar="auto|vllm|FOLDER")
     chat_template: str | None = setting(
         None, "a Jinja chat template in place of the model's: a file holding it, or the "
               "template itself (vLLM's flag)", metavar="FILE_OR_TEMPLATE")

@@ -46,8 +46,8 @@ class LLM:
         ``priority`` (one per prompt, lower first) matters under ``scheduling_policy="priority"``."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
-        if sampling_params is None:
-            sampling_params = SamplingParams()
+        if sampling_params is None:  # the model's defaults (--generation-config), as vLLM's
+            sampling_params = SamplingParams(**self.engine.sampling_defaults)
         if isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params] * len(prompts)
         if len(sampling_params) != len(prompts):

@@ -29,6 +29,7 @@ from conveyor.engine.input_processor import (InputProcessor, Prompt, chat_templa
 from conveyor.engine.output_processor import OutputProcessor, RequestState, SampleState
 from conveyor.model.config import ModelConfig
 from conveyor.model.kv_cache import kv_storage
+from conveyor.model.generation_config import sampling_defaults
 from conveyor.model.hub import resolve_model
 from conveyor.model.loader import load_model, load_tokenizer
 from conveyor.model.rope import longrope_switch
@@ -116,6 +117,11 @@ class LLMEngine:
         if config.chat_template is not None:
             self.tokenizer.chat_template = chat_template_from(config.chat_template)
         check_chat_template(self.tokenizer, loaded.name)
+        # what a request leaves unset, from the model (vLLM's --generation-config auto)
+        self.sampling_defaults = sampling_defaults(config.generation_config, loaded.path)
+        if self.sampling_defaults:
+            logger.info("sampling defaults from the model (--generation-config %s): %s",
+                        config.generation_config, self.sampling_defaults)
         self.eos_token_ids = frozenset(loaded.eos_token_ids)
         # embeddings: the flag's pooling, else the model's, else the last token's (vLLM's)
         self.pooling_type = config.pooling_type or loaded.config.pooling_type or "last"

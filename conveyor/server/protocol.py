@@ -213,8 +213,11 @@ class SamplingFields(BaseModel):
             raise ParamError(name, f"{name}: {e}") from e
 
     def sampling_params(self, max_tokens: int, logprobs: int | None,
-                        structured: StructuredOutputsParams | None = None) -> SamplingParams:
-        return SamplingParams(
+                        structured: StructuredOutputsParams | None = None,
+                        defaults: dict | None = None) -> SamplingParams:
+        """``defaults``: the model's (--generation-config), for the fields the request left
+        unset."""
+        fields = dict(
             n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
             min_p=self.min_p, seed=self.seed, max_tokens=max_tokens, min_tokens=self.min_tokens,
             stop=self.stop, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
@@ -222,6 +225,8 @@ class SamplingFields(BaseModel):
             frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty, structured_outputs=structured,
             logit_bias=self.logit_bias or None, prompt_logprobs=self.prompt_logprobs)
+        fields.update({k: v for k, v in (defaults or {}).items() if k not in self.model_fields_set})
+        return SamplingParams(**fields)
 
 
 class PromptLogprob(BaseModel):

@@ -65,7 +65,8 @@ class ServerState:
                                   name)
         try:
             found = body.constraint(tools)
-            params = body.sampling_params(max_tokens, logprobs, found and found[0])
+            params = body.sampling_params(max_tokens, logprobs, found and found[0],
+                                          self.engine.sampling_defaults)
         except ValueError as e:
             name = getattr(e, "param", None)  # (a ParamError's; SamplingParams' own names)
             raise bad_request(str(e), name if name in type(body).model_fields else None) from e

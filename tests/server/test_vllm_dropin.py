@@ -40,11 +40,27 @@ def origins():
 
 @pytest.fixture(scope="module")
 def server(origins):
+    # flags as vLLM's docs write them for a chat model with tools, then Conveyor's own
     with running_server("--trust-remote-code", "--enable-auto-tool-choice", "--tool-call-parser",
-                        "hermes", "--uvicorn-log-level", "warning", "--metrics-prefix", "vllm",
+                        "hermes", "--enforce-eager", "--gpu-memory-utilization", "0.9",
+                        "--disable-log-stats", "--served-model-name", "smol", "my-smol",
+                        "--uvicorn-log-level", "warning", "--metrics-prefix", "vllm",
                         "--max-logprobs", "25",
                         "--allowed-origins", f'["{origins[0]}"]') as proc:
         yield proc
+
+
+def test_a_vllm_launch_line_serves_under_its_names(server):
+    names = [m["id"] for m in httpx.get(f"{server.base_url}/v1/models", timeout=30).json()["data"]]
+    assert names == ["smol", "my-smol"]
+    for name in names:
+        r = httpx.post(f"{server.base_url}/v1/chat/completions", timeout=120, json={
+            "model": name, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2})
+        assert r.status_code == 200, r.text
+    log = server.log()
+    for flag in ("--trust-remote-code", "--enable-auto-tool-choice", "--tool-call-parser",
+                 "--enforce-eager", "--gpu-memory-utilization", "--disable-log-stats"):
+        assert f"{flag} (vLLM's) accepted" in log, flag
 
 
 def preflight(server, origin: str) -> httpx.Response:
