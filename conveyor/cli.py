@@ -11,7 +11,7 @@ import time
 from conveyor.bench.cli import add_bench_parser
 from conveyor.config import EngineConfig
 from conveyor.server.config import ServerConfig
-from conveyor.settings import add_arguments, from_namespace
+from conveyor.settings import DefaultsHelp, add_arguments, from_namespace
 
 
 def _torchrun_worker(args: argparse.Namespace) -> bool:
@@ -154,16 +154,23 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="conveyor")
     parser.add_argument("--version", action="version", version=f"conveyor {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
-    gen = sub.add_parser("generate", help="generate text for prompts, offline")
+    gen = sub.add_parser("generate", help="generate text for prompts, offline",
+                         formatter_class=DefaultsHelp)
     add_arguments(gen.add_argument_group("engine"), EngineConfig)
     gen.add_argument("prompt", nargs="*", help="prompts (default: one example prompt)")
     gen.add_argument("--chat", action="store_true", help="wrap each prompt in the chat template")
-    gen.add_argument("--max-tokens", type=int, default=64)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--top-k", type=int, default=0)
-    gen.add_argument("--sample-seed", type=int, default=None)
-    gen.add_argument("--ignore-eos", action="store_true")
+    gen.add_argument("--max-tokens", type=int, default=64,
+                     help="output tokens a prompt")
+    gen.add_argument("--temperature", type=float, default=0.0,
+                     help="0: greedy")
+    gen.add_argument("--top-p", type=float, default=1.0,
+                     help="nucleus sampling's share")
+    gen.add_argument("--top-k", type=int, default=0,
+                     help="sample among the k likeliest (0: all)")
+    gen.add_argument("--sample-seed", type=int, default=None,
+                     help="the sampler's seed (default: random)")
+    gen.add_argument("--ignore-eos", action="store_true",
+                     help="generate every asked token, past the end of text")
     gen.set_defaults(handler=_generate)
     env = sub.add_parser("env", help="print the CPU tier, dtype and kernels this machine gets")
     add_arguments(env, EngineConfig, only=("dtype", "device"))

@@ -22,6 +22,18 @@ def setting(default: Any, help: str, *, choices: tuple | None = None,
         "help": help, "choices": choices, "short": short, "metavar": metavar, "repeat": repeat})
 
 
+class DefaultsHelp(argparse.HelpFormatter):
+    """Each flag's help with its default, where the help does not say it (settings' flags do)
+    and there is one to say."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if ("default" in text or not action.option_strings or action.default is None
+                or action.default is False or action.default is argparse.SUPPRESS):
+            return text
+        return text + " (default: %(default)s)"
+
+
 def flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 

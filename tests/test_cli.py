@@ -172,3 +172,28 @@ def test_vllm_runner_is_conveyors_task():
     assert _without_vllm_only_flags(["--runner=generate"]) == ["--task", "generate"]
     assert _without_vllm_only_flags(["--runner", "auto"]) == []
     assert _without_vllm_only_flags(["--runner", "draft"]) == ["--runner", "draft"]  # refused
+
+
+def test_every_flag_has_help_and_shows_its_default():
+    import argparse
+
+    from conveyor.cli import build_parser
+
+    def flags(parser, path):
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for name, child in action.choices.items():
+                    yield from flags(child, [*path, name])
+            elif action.option_strings and not isinstance(
+                    action, (argparse._HelpAction, argparse._VersionAction)):
+                yield " ".join(path), parser, action
+
+    seen = 0
+    for command, parser, action in flags(build_parser(), []):
+        seen += 1
+        assert action.help, f"conveyor {command} {action.option_strings[0]} has no help"
+        if action.default not in (None, False, argparse.SUPPRESS):
+            shown = parser.formatter_class("x")._get_help_string(action) \
+                if parser.formatter_class is not argparse.HelpFormatter else action.help
+            assert "default" in shown, f"conveyor {command} {action.option_strings[0]}"
+    assert seen > 200

@@ -8,6 +8,7 @@ from conveyor.bench.serve import add_serve_args, benchmark
 from conveyor.bench.simulate import add_simulate_args, simulate
 from conveyor.bench.stress import add_overload_args, add_soak_args, overload, soak
 from conveyor.bench.tune import add_tune_args, tune
+from conveyor.settings import DefaultsHelp
 
 
 def add_bench_parser(sub) -> None:
@@ -31,6 +32,6 @@ def add_bench_parser(sub) -> None:
              "far more streams than seats at once: each completes or is refused quickly"),
             ("soak", add_soak_args, soak,
              "many short mixed requests, with disconnects and bad ones: nothing lost")):
-        parser = kinds.add_parser(name, help=help_text)
+        parser = kinds.add_parser(name, help=help_text, formatter_class=DefaultsHelp)
         add_args(parser)
         parser.set_defaults(handler=handler)

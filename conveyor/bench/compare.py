@@ -28,19 +28,27 @@ def add_batching_args(p: argparse.ArgumentParser) -> None:
                         f"simulated on an accelerator: what its memory leaves)")
     p.add_argument("--num-kv-blocks", type=int, default=None, help="KV pages, instead")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV page")
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--kv-layout", default="paged", choices=["paged", "contiguous"])
-    p.add_argument("--enable-prefix-caching", default=True, action=argparse.BooleanOptionalAction)
-    p.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
-    p.add_argument("--result-dir", default="bench-results")
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                   help="token budget of one step")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="the servers' context length (default: the model's, as the pool allows)")
+    p.add_argument("--kv-layout", default="paged", choices=["paged", "contiguous"],
+                   help="paged pages, or a contiguous reservation per request")
+    p.add_argument("--enable-prefix-caching", default=True, action=argparse.BooleanOptionalAction,
+                   help="reuse the pages of shared prompt prefixes")
+    p.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],
+                   help="the servers' queue order")
+    p.add_argument("--result-dir", default="bench-results",
+                   help="where each run's JSON and the plots go")
 
 
 def add_server_args(p: argparse.ArgumentParser) -> None:
     """What every started server shares."""
     add_batching_args(p)
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--dtype", default="auto",
+                   help="the servers' dtype")
+    p.add_argument("--threads", type=int, default=None,
+                   help="the servers' compute threads (default: the cores)")
     p.add_argument("--server-arg", action="append", default=[],
                    help="an extra flag for every server, e.g. --server-arg=--quantization=q8_0")
 
@@ -49,8 +57,10 @@ def add_compare_args(p: argparse.ArgumentParser) -> None:
     add_workload_args(p)
     add_server_args(p)
     p.add_argument("--policies", nargs="+", default=["static", "continuous"],
-                   choices=["static", "continuous"])
-    p.add_argument("--max-num-seqs", type=int, nargs="+", default=[32])
+                   choices=["static", "continuous"],
+                   help="the batching policies compared")
+    p.add_argument("--max-num-seqs", type=int, nargs="+", default=[32],
+                   help="batch sizes: one run each, per policy")
 
 
 def server_flags(args: argparse.Namespace, policy: str, max_num_seqs: int,

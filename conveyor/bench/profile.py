@@ -25,16 +25,24 @@ def add_profile_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--base-url", default=None,
                    help="fit a live server's recorded steps instead of measuring here")
     p.add_argument("--model", default=None, help="model to measure (default model)")
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--dtype", default="auto",
+                   help="the model's dtype")
+    p.add_argument("--threads", type=int, default=None,
+                   help="compute threads (default: the cores)")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048,
                    help="the step budget: prompts are chunked as the served engine chunks them")
-    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
-    p.add_argument("--context-lens", type=int, nargs="+", default=[32, 128, 512])
-    p.add_argument("--prefill-chunks", type=int, nargs="+", default=[16, 128, 512])
-    p.add_argument("--decode-steps", type=int, default=4)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--output", default="step-cost.json")
+    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32],
+                   help="decode batches timed")
+    p.add_argument("--context-lens", type=int, nargs="+", default=[32, 128, 512],
+                   help="context lengths of the decode batches")
+    p.add_argument("--prefill-chunks", type=int, nargs="+", default=[16, 128, 512],
+                   help="prompt chunk lengths timed")
+    p.add_argument("--decode-steps", type=int, default=4,
+                   help="steps timed at each point")
+    p.add_argument("--seed", type=int, default=0,
+                   help="the prompts' random seed")
+    p.add_argument("--output", default="step-cost.json",
+                   help="the fitted cost model's file (for bench simulate --cost-model)")
 
 
 def machine() -> str:

@@ -24,32 +24,48 @@ from conveyor.bench.metrics import METRICS, compute_metrics, format_report, pars
 
 def add_workload_args(p: argparse.ArgumentParser) -> None:
     """The flags that define the traffic (shared by serve, compare and tune)."""
-    p.add_argument("--endpoint", default="/v1/completions", choices=ENDPOINTS)
+    p.add_argument("--endpoint", default="/v1/completions", choices=ENDPOINTS,
+                   help="the route every request goes to")
     p.add_argument("--tokenizer", default=None,
                    help="GGUF file or HF folder for counting tokens (default: the default model)")
-    p.add_argument("--num-prompts", type=int, default=100)
+    p.add_argument("--num-prompts", type=int, default=100,
+                   help="requests in the run")
     p.add_argument("--request-rate", type=float, default=math.inf,
                    help="requests per second, Poisson arrivals; inf sends all at once")
     p.add_argument("--burstiness", type=float, default=1.0,
                    help="gamma shape of the arrival gaps: 1 is Poisson, < 1 burstier")
-    p.add_argument("--max-concurrency", type=int, default=None)
-    p.add_argument("--dataset-name", default="random", choices=["random", "conversation", "jsonl"])
+    p.add_argument("--max-concurrency", type=int, default=None,
+                   help="the most requests in flight at once (default: no limit)")
+    p.add_argument("--dataset-name", default="random", choices=["random", "conversation", "jsonl"],
+                   help="random: token ids of --random-*-len; conversation: built-in chats; "
+                        "jsonl: --dataset-path")
     p.add_argument("--dataset-path", default=None, help="JSONL file for --dataset-name jsonl")
-    p.add_argument("--random-input-len", type=int, default=256)
-    p.add_argument("--random-output-len", type=int, default=128)
-    p.add_argument("--random-range-ratio", type=float, default=0.0)
-    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--random-input-len", type=int, default=256,
+                   help="prompt tokens a request (random dataset)")
+    p.add_argument("--random-output-len", type=int, default=128,
+                   help="output tokens a request asks for")
+    p.add_argument("--random-range-ratio", type=float, default=0.0,
+                   help="lengths drawn from len * [1 - r, 1 + r]")
+    p.add_argument("--ignore-eos", action="store_true",
+                   help="generate every asked token, past the end of text")
     p.add_argument("--temperature", type=float, default=0.0,
                    help="every request's (vLLM's default for the benchmark: 0, greedy)")
-    p.add_argument("--top-p", type=float, default=None)
-    p.add_argument("--top-k", type=int, default=None)
-    p.add_argument("--min-p", type=float, default=None)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--percentile-metrics", default="ttft,tpot,itl,e2el")
-    p.add_argument("--metric-percentiles", default="50,90,95,99")
+    p.add_argument("--top-p", type=float, default=None,
+                   help="every request's top_p (default: the server's)")
+    p.add_argument("--top-k", type=int, default=None,
+                   help="every request's top_k (default: the server's)")
+    p.add_argument("--min-p", type=float, default=None,
+                   help="every request's min_p (default: the server's)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="the workload's and the arrivals' random seed")
+    p.add_argument("--percentile-metrics", default="ttft,tpot,itl,e2el",
+                   help="the metrics reported with percentiles (ttft, tpot, itl, e2el)")
+    p.add_argument("--metric-percentiles", default="50,90,95,99",
+                   help="the percentiles reported")
     p.add_argument("--goodput", nargs="+", default=None, metavar="NAME:MS",
                    help="SLOs for goodput, e.g. ttft:500 tpot:50 e2el:10000")
-    p.add_argument("--disable-tqdm", action="store_true")
+    p.add_argument("--disable-tqdm", action="store_true",
+                   help="no progress bar")
 
 
 def server_url(text: str) -> str:
@@ -67,9 +83,12 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=8000, help="the server's port (vLLM's)")
     p.add_argument("--model", default=None, help="model name to send (default: the server's first)")
     add_workload_args(p)
-    p.add_argument("--save-result", action="store_true")
-    p.add_argument("--result-dir", default=".")
-    p.add_argument("--result-filename", default=None)
+    p.add_argument("--save-result", action="store_true",
+                   help="write the result as JSON (vLLM's bench serve format)")
+    p.add_argument("--result-dir", default=".",
+                   help="where --save-result writes")
+    p.add_argument("--result-filename", default=None,
+                   help="the JSON's name (default: bench-DATE.json)")
 
 
 def build_workload(args: argparse.Namespace, tokenizer=None) -> list[BenchRequest]:

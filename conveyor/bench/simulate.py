@@ -55,10 +55,12 @@ def add_cost_args(p: argparse.ArgumentParser) -> None:
                    help="share of the peak bf16 FLOP/s a step reaches")
     g.add_argument("--bandwidth-efficiency", type=float, default=0.8,
                    help="share of the peak memory bandwidth a step reaches")
-    g.add_argument("--step-overhead-ms", type=float, default=1.0)
+    g.add_argument("--step-overhead-ms", type=float, default=1.0,
+                   help="fixed time of every step")
     g.add_argument("--request-overhead-ms", type=float, default=0.01,
                    help="per request in a step")
-    g.add_argument("--weight-bits", type=int, default=16)
+    g.add_argument("--weight-bits", type=int, default=16,
+                   help="bits a weight the model reads (16: bfloat16, 4: Q4)")
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="share of the accelerator's memory for weights and KV (vLLM's)")
 
@@ -71,8 +73,10 @@ def add_simulate_args(p: argparse.ArgumentParser) -> None:
                         "all its rows")
     add_batching_args(p)
     p.add_argument("--policy", "--policies", dest="policies", nargs="+", default=["continuous"],
-                   choices=["static", "continuous"])
-    p.add_argument("--max-num-seqs", type=int, nargs="+", default=[64])
+                   choices=["static", "continuous"],
+                   help="the batching policies simulated")
+    p.add_argument("--max-num-seqs", type=int, nargs="+", default=[64],
+                   help="batch sizes: one run each, per policy")
     p.add_argument("--save-result", action="store_true",
                    help="also save each run's result as `bench serve` does")
     p.add_argument("--result-filename", default=None, help="for --save-result of one run")

@@ -374,22 +374,30 @@ def _common_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--base-url", default=None,
                    help="a running server (default: start conveyor serve with --server-args)")
     p.add_argument("--server-args", default=None, help="flags for the conveyor serve started")
-    p.add_argument("--api-key", default=None)
-    p.add_argument("--max-tokens", type=int, default=8)
+    p.add_argument("--api-key", default=None,
+                   help="the server's key (Authorization: Bearer)")
+    p.add_argument("--max-tokens", type=int, default=8,
+                   help="the most output tokens a request asks for")
 
 
 def add_overload_args(p: argparse.ArgumentParser) -> None:
     _common_args(p)
-    p.add_argument("--num-streams", type=int, default=640)
+    p.add_argument("--num-streams", type=int, default=640,
+                   help="streamed requests sent at once")
 
 
 def add_soak_args(p: argparse.ArgumentParser) -> None:
     _common_args(p)
-    p.add_argument("--num-requests", type=int, default=10_000)
-    p.add_argument("--concurrency", type=int, default=32)
-    p.add_argument("--disconnect-share", type=float, default=0.10)
-    p.add_argument("--bad-share", type=float, default=0.05)
+    p.add_argument("--num-requests", type=int, default=10_000,
+                   help="requests in the soak")
+    p.add_argument("--concurrency", type=int, default=32,
+                   help="requests in flight at once")
+    p.add_argument("--disconnect-share", type=float, default=0.10,
+                   help="share of clients that leave mid-request")
+    p.add_argument("--bad-share", type=float, default=0.05,
+                   help="share of malformed requests (each must get a 4xx)")
     p.add_argument("--checkpoint", type=int, default=1000,
                    help="resident memory is compared with its value after this many requests")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0,
+                   help="the request mix's random seed")
 

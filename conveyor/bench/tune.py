@@ -34,8 +34,10 @@ def add_tune_args(p: argparse.ArgumentParser) -> None:
     add_workload_args(p)
     add_server_args(p)
     p.add_argument("--slo", required=True, help="ttft_p95=2s, e2el_p95=10s or tpot_p95=80ms")
-    p.add_argument("--policy", default="continuous", choices=["continuous", "static"])
-    p.add_argument("--max-num-seqs", type=int, nargs="+", default=[4, 8, 16, 32, 64])
+    p.add_argument("--policy", default="continuous", choices=["continuous", "static"],
+                   help="the batching policy tuned")
+    p.add_argument("--max-num-seqs", type=int, nargs="+", default=[4, 8, 16, 32, 64],
+                   help="the batch sizes tried")
     p.add_argument("--max-num-batched-tokens-list", type=int, nargs="+", default=None,
                    help="also sweep the token budget over these values")
     p.add_argument("--simulate", action="store_true",
