@@ -17,6 +17,7 @@ import platform
 import random
 
 import httpx
+from tqdm import tqdm
 
 from conveyor.bench.cost_model import FittedCost, StepShape, live_samples
 
@@ -91,18 +92,16 @@ def grid_samples(args: argparse.Namespace) -> tuple[list, dict, int]:
 
     run([add(8, 1)])  # warm-up, not a sample
     first = engine.num_steps
-    for context in args.context_lens:
-        for batch in batches:
-            rids = [add(context, args.decode_steps + len(chunks) + 2) for _ in range(batch)]
-            run(rids)
-            for _ in range(args.decode_steps):
-                engine.step()
-            for n in chunks:
-                run([add(n, 1)])
-            for rid in rids:
-                engine.abort_request(rid)
-            print(f"  {batch} x {context} tokens: {engine.num_steps - first} steps so far",
-                  flush=True)
+    grid = [(context, batch) for context in args.context_lens for batch in batches]
+    for context, batch in tqdm(grid, desc="profile (context, batch) points", unit="point"):
+        rids = [add(context, args.decode_steps + len(chunks) + 2) for _ in range(batch)]
+        run(rids)
+        for _ in range(args.decode_steps):
+            engine.step()
+        for n in chunks:
+            run([add(n, 1)])
+        for rid in rids:
+            engine.abort_request(rid)
     samples = [(StepShape.of_record(dataclasses.asdict(r)), r.duration)
                for r in engine.steps_since(first) if r.num_scheduled]
     source = {"from": "grid", "machine": machine(), "cpu_isa": isa.current().describe(),

@@ -248,6 +248,7 @@ def test_profile_then_simulate_and_tune_on_the_fit(tiny_checkpoint, tmp_path, ca
     cost_path = tmp_path / "cost.json"
     main(["bench", "profile", "--model", folder, "--batch-sizes", "1", "4", "--context-lens", "16",
           "64", "--prefill-chunks", "8", "32", "--decode-steps", "3", "--output", str(cost_path)])
+    assert "profile (context, batch) points: 100%" in capsys.readouterr().err  # its progress
     cost = FittedCost.load(str(cost_path))
     assert cost.num_samples >= 10 and cost.coefficients["fixed"] > 0
     assert cost.source["from"] == "grid" and cost.source["model"] == folder
