@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 import gc
 import logging
-import os
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -106,10 +105,10 @@ class LLMEngine:
         gc.freeze()
 
     def _load(self, config: EngineConfig, started: float) -> None:
-        given = config.model
-        loaded = load_model(resolve_model(given, config.revision), config.quantization)
+        path = resolve_model(config.model, config.revision)
+        loaded = load_model(path, config.quantization)
         # a repo id is the model's name, as vLLM's (its cache folder is a commit hash)
-        self.model_name = loaded.name if given is None or os.path.exists(given) else given
+        self.model_name = loaded.name if path == config.model else config.model
         self.model_path = loaded.path
         self.model_config = loaded.config
         self.tokenizer = (loaded.tokenizer if config.tokenizer is None

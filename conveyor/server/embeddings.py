@@ -17,6 +17,12 @@ from conveyor.server.protocol import MAX_PROMPTS, refuse_unimplemented
 from conveyor.server.state import ServerState, collect, prompt_list
 
 
+# one input or many: texts or token ids
+Inputs = (str | Annotated[list[str], Field(min_length=1, max_length=MAX_PROMPTS)]
+          | Annotated[list[int], Field(min_length=1)]
+          | Annotated[list[list[int]], Field(min_length=1, max_length=MAX_PROMPTS)])
+
+
 class EmbeddingRequest(BaseModel):
     """OpenAI's embeddings request."""
 
@@ -28,9 +34,7 @@ class EmbeddingRequest(BaseModel):
         return data
 
     model: str | None = None
-    input: (str | Annotated[list[str], Field(min_length=1, max_length=MAX_PROMPTS)]
-            | Annotated[list[int], Field(min_length=1)]
-            | Annotated[list[list[int]], Field(min_length=1, max_length=MAX_PROMPTS)])
+    input: Inputs
     encoding_format: Literal["float", "base64"] = Field(
         "float", description="base64: the float32 vector's little-endian bytes")
     user: str | None = None
@@ -47,11 +51,17 @@ class EmbeddingUsage(BaseModel):
     total_tokens: int
 
 
-class EmbeddingResponse(BaseModel):
+class ListResponse(BaseModel):
+    """The head of a response that lists a vector (or score) per input; subclasses add
+    ``data`` and ``usage``."""
+
     id: str
     object: Literal["list"] = "list"
     created: int = Field(default_factory=lambda: int(time.time()))
     model: str
+
+
+class EmbeddingResponse(ListResponse):
     data: list[Embedding]
     usage: EmbeddingUsage
 

@@ -7,16 +7,15 @@ that says so. Each is a 400 naming the task on a generation server."""
 from __future__ import annotations
 
 import math
-import time
 from typing import Annotated, Literal
 
 from fastapi import APIRouter, Request, Response
 from pydantic import BaseModel, Field
 
-from conveyor.server.embeddings import EmbeddingUsage, embed
+from conveyor.server.embeddings import EmbeddingUsage, Inputs, ListResponse, embed
 from conveyor.server.errors import APIError, bad_request
 from conveyor.server.protocol import MAX_PROMPTS, ErrorResponse
-from conveyor.server.state import ServerState
+from conveyor.server.state import ServerState, prompt_list
 
 Texts = str | Annotated[list[str], Field(min_length=1, max_length=MAX_PROMPTS)]
 
@@ -33,11 +32,7 @@ class ScoreData(BaseModel):
     score: float
 
 
-class ScoreResponse(BaseModel):
-    id: str
-    object: Literal["list"] = "list"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
+class ScoreResponse(ListResponse):
     data: list[ScoreData]
     usage: EmbeddingUsage
 
@@ -72,9 +67,7 @@ class RerankResponse(BaseModel):
 
 class PoolingRequest(BaseModel):
     model: str | None = None
-    input: (str | Annotated[list[str], Field(min_length=1, max_length=MAX_PROMPTS)]
-            | Annotated[list[int], Field(min_length=1)]
-            | Annotated[list[list[int]], Field(min_length=1, max_length=MAX_PROMPTS)])
+    input: Inputs
 
 
 class PoolingData(BaseModel):
@@ -83,11 +76,7 @@ class PoolingData(BaseModel):
     data: list[float]
 
 
-class PoolingResponse(BaseModel):
-    id: str
-    object: Literal["list"] = "list"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
+class PoolingResponse(ListResponse):
     data: list[PoolingData]
     usage: EmbeddingUsage
 
@@ -119,8 +108,7 @@ def scoring_router(state: ServerState) -> APIRouter:
     async def score(body: ScoreRequest, raw: Request):
         """text_1 against text_2: the cosine of their embeddings."""
         state.check_model(body.model)
-        first = [body.text_1] if isinstance(body.text_1, str) else body.text_1
-        second = [body.text_2] if isinstance(body.text_2, str) else body.text_2
+        first, second = prompt_list(body.text_1, "text_1"), prompt_list(body.text_2, "text_2")
         matched = pairs(first, second)
         done = await embed(state, raw, first + second, "text_1")
         if done is None:

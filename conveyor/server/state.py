@@ -58,8 +58,8 @@ class ServerState:
         loop: a large schema takes a while) so that one the engine cannot enforce is a 400
         naming the field it came from."""
         asked = "top_logprobs" if "top_logprobs" in type(body).model_fields else "logprobs"
+        most = min(self.max_logprobs, self.engine.model_config.vocab_size)
         for name, value in ((asked, logprobs), ("prompt_logprobs", body.prompt_logprobs)):
-            most = min(self.max_logprobs, self.engine.model_config.vocab_size)
             if value is not None and value > most:
                 raise bad_request(f"{name} may be at most {most} (--max-logprobs), got {value}",
                                   name)
