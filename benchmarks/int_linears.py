@@ -18,14 +18,12 @@ import time
 
 import torch
 
+from conveyor.config import ACTIVATION_QUANTS as MODES
 from conveyor.config import EngineConfig
 from conveyor.engine.engine import LLMEngine
 from conveyor.kernels import isa
-from conveyor.kernels.activations import ACTIVATION_MODES
 from conveyor.kernels.library import kernels_at
 from conveyor.model.model import Linear
-
-MODES = [m for m in ACTIVATION_MODES if m != "int8-token"]
 
 
 def main() -> None:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from conveyor.kernels.activations import K_QUANTS
 from conveyor.kernels.blocks import BLOCK_TYPES, DENSE_TYPES, WIDE_SCALARS, QuantizedWeight
 from conveyor.kernels.signatures import bind
 
@@ -288,27 +289,38 @@ class QuantLinear:
 
 
 class IntQuantLinear(QuantLinear):
-    """``QuantLinear`` on integer activations (``--activation-quant``) for a decode's few rows:
-    each run of 32 inputs quantized to int16 (15 bits) or int8 (``activations.quantize``) and
-    multiplied with the blocks' integers (csrc/avx512/quant_linear_int.c: VNNI; csrc/avx2/:
-    pmaddubsw; plain C below). Calls of more than ``int_rows`` rows, and dense weights, take the
-    float kernels, which are faster there (docs/results/activation-quant); the weights are in
-    their format."""
+    """``QuantLinear`` on integer activations (``--activation-quant``): each run of inputs
+    quantized to int16 (15 bits) or int8 (``activations.quantize``, llama.cpp's Q8_0, and Q8_K
+    on the K-quants) and multiplied with the blocks' integers (csrc/avx512/quant_linear_int.c:
+    VNNI; csrc/avx2/: pmaddubsw; plain C below). Calls of more than ``int_rows`` rows, and dense
+    weights, take the float kernels where they are faster (docs/results/activation-quant): at
+    the avx512/amx tiers past a decode's few rows; at the avx2 tier int8 on the K-quants is
+    faster at every row count (its super-block integer sums), so it takes them all. The
+    weights are in the float kernels' format."""
 
     LEVELS = {"int16": 16383, "int8": 127}
     # the most rows the integer kernel is faster at, at the avx512/amx tiers (AMX or the few-row
     # FMA kernel take more); its two products a value make int16 faster only at one
     INT_ROWS = {"int16": 1, "int8": 4}
+    # tiers whose int8 kernel takes K-quant calls of any row count
+    SUPERBLOCK_TIERS = ("avx2",)
 
-    def __init__(self, lib: ctypes.CDLL, dtype: torch.dtype, mode: str) -> None:
+    def __init__(self, lib: ctypes.CDLL, dtype: torch.dtype, mode: str, tier: str) -> None:
         super().__init__(lib, dtype)
         self.mode, self.levels, self.int_rows = mode, self.LEVELS[mode], self.INT_ROWS[mode]
+        self.superblock_rows = mode == "int8" and tier in self.SUPERBLOCK_TIERS
         self._int_fn = entry(lib, "quant_linear_int", dtype)
+
+    def takes(self, rows: int, ggml_type: int) -> bool:
+        """Whether a call of ``rows`` rows on ``ggml_type`` blocks runs on integers."""
+        if ggml_type in DENSE_TYPES.values():
+            return False
+        return rows <= self.int_rows or (self.superblock_rows and ggml_type in K_QUANTS)
 
     def _call(self, x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None,
               y: torch.Tensor) -> None:
         rows, k = x.shape
-        if rows > self.int_rows or w.ggml_type in DENSE_TYPES.values():
+        if not self.takes(rows, w.ggml_type):
             return super()._call(x, w, bias, y)
         rc = self._int_fn(x.data_ptr(), x.stride(0), w.blocks.data_ptr(), w.blocks.stride(0),
                           w.ggml_type, None if bias is None else bias.data_ptr(), y.data_ptr(),
@@ -346,7 +358,7 @@ class _Shape(ctypes.Structure):
                                                     "intermediate", "block_size")] + [
         ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("softcap", ctypes.c_float),
         ("gelu", ctypes.c_int), ("levels", ctypes.c_int), ("int_rows", ctypes.c_int),
-        ("invariant", ctypes.c_int), ("kv_type", ctypes.c_int)]
+        ("superblock_rows", ctypes.c_int), ("invariant", ctypes.c_int), ("kv_type", ctypes.c_int)]
 
 
 @dataclass
@@ -373,15 +385,15 @@ class StackLayer:
 
 class DecodeStack:
     """``decode_stack`` bound to one model's layers: call it with a step's embeddings, up to
-    ``max_rows`` (the rows a block-linear call takes). ``levels`` and ``int_rows``: an
-    ``IntQuantLinear``'s, for a step its integer linears take (0: none); ``invariant``: a
-    ``QuantLinear``'s."""
+    ``max_rows`` (the rows a block-linear call takes). ``levels``, ``int_rows`` and
+    ``superblock_rows``: an ``IntQuantLinear``'s, for the calls its integer linears take
+    (levels 0: none); ``invariant``: a ``QuantLinear``'s."""
 
     def __init__(self, lib: ctypes.CDLL, dtype: torch.dtype, layers: list[StackLayer], *,
                  max_rows: int, heads: int, kv_heads: int, head_dim: int, intermediate: int,
                  eps: float, scale: float | None = None, softcap: float | None = None,
                  act: str = "silu", levels: int = 0, int_rows: int = 0,
-                 invariant: bool = False) -> None:
+                 superblock_rows: bool = False, invariant: bool = False) -> None:
         self.dtype = dtype
         self.max_rows = max_rows
         self._fn = entry(lib, "decode_stack", dtype)
@@ -417,8 +429,8 @@ class DecodeStack:
         self._shape = _Shape(self.hidden, heads, kv_heads, head_dim, intermediate,
                              layers[0].k_cache.shape[1], eps,
                              head_dim ** -0.5 if scale is None else scale, softcap or 0.0,
-                             int(act == "gelu_pytorch_tanh"), levels, int_rows, int(invariant),
-                             storage)
+                             int(act == "gelu_pytorch_tanh"), levels, int_rows,
+                             int(superblock_rows), int(invariant), storage)
         # a row's activations between the kernels (decode_stack.c); kept across steps, grown
         # as rows grow
         self._row_width = (2 * self.hidden + (2 * heads + 2 * kv_heads) * head_dim

@@ -43,7 +43,8 @@ class CPUKernels:
     def decode_stack(self, layers: list[StackLayer], **shape) -> DecodeStack:
         """The one-call layer stack over these layers (its linears as quant_linear's)."""
         linear = self.quant_linear
-        integer = ({"levels": linear.levels, "int_rows": linear.int_rows}
+        integer = ({"levels": linear.levels, "int_rows": linear.int_rows,
+                    "superblock_rows": linear.superblock_rows}
                    if isinstance(linear, IntQuantLinear) else {})
         return DecodeStack(self.lib, self.dtype, layers, max_rows=linear.max_rows, **integer,
                            invariant=linear.invariant, **shape)
@@ -96,7 +97,7 @@ def kernels_at(tier: str, dtype: torch.dtype, head_dim: int, activation_quant: s
     if lib is None or not has_entry(lib, "quant_linear", dtype):
         return None
     integer = activation_quant != "none"
-    linear = (IntQuantLinear(lib, dtype, activation_quant) if integer
+    linear = (IntQuantLinear(lib, dtype, activation_quant, tier) if integer
               else QuantLinear(lib, dtype, batch_invariant))
     return CPUKernels(tier, dtype, DecodeKernel(lib, dtype), AddRMSNorm(lib, dtype),
                       {act: GatedMul(lib, dtype, act) for act in GLU_KERNELS},

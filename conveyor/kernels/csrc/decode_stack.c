@@ -12,6 +12,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "blocks.h"
 #include "common.h"
 
 #if CONVEYOR_AVX512_BF16
@@ -53,6 +54,7 @@ typedef struct Shape {
     int gelu;                               /* the gate's activation: 0 SiLU, 1 GELU (tanh) */
     int levels, int_rows;                   /* --activation-quant: a step of at most int_rows
                                                rows on the integer linears (levels 0: none) */
+    int superblock_rows;                    /* and K-quant runs at any row count */
     int invariant;                          /* --batch-invariant: the linears' (quant_linear) */
     int kv_type;                            /* the caches' storage (common.h) */
 } Shape;
@@ -66,7 +68,8 @@ static ALWAYS_INLINE int matrix_linear(const void *x, int64_t x_stride, const Ma
     for (int i = 0, n0 = 0; i < m->runs && rc == 0; n0 += m->run[i++].rows) {
         const Run *r = &m->run[i];
         const void *b = bias == NULL ? NULL : (const char *)bias + elem * n0;
-        if (s->levels && rows <= s->int_rows)  /* (as bindings.IntQuantLinear routes a call) */
+        /* (as bindings.IntQuantLinear.takes routes a call) */
+        if (s->levels && (rows <= s->int_rows || (s->superblock_rows && is_k_quant(r->type))))
             rc = BY_DTYPE(quant_linear_int, x, x_stride, r->blocks, r->row_bytes, r->type, b,
                           (char *)y + elem * n0, y_stride, rows, r->rows, k, s->levels, threads);
         else

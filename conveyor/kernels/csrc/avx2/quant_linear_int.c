@@ -24,15 +24,16 @@
 #include "int_activations.h"
 
 #define RT 4   /* activation rows a pass takes (1, 2 or 4) */
-#define OB 16  /* weight rows unpacked at a time and passed by every group of RT rows */
+#define OB 4  /* weight rows unpacked at a time and passed by every group of RT rows */
 
 /* x's rows as integers, as generic/quant_linear_int.c's int_rows quantizes them (the same
- * roundings, so not under fast math): p8 (int8) or p16 (int16) [rows][k], s and sp (s * sum(p))
- * [rows][k / 32]. */
+ * roundings, so not under fast math): p8 (int8) or p16 (int16) [rows][k], s (each chunk's
+ * run's scale) and sp (s * sum(p)) [rows][k / 32], and for the K-quants sp16, s * sum(p) a
+ * half-chunk [rows][k / 16] (what Q6_K's offset multiplies). */
 typedef struct {
     int8_t *p8;
     int16_t *p16;
-    float *s, *sp;
+    float *s, *sp, *sp16;
 } Acts;
 
 static void acts_free(Acts *a) {
@@ -40,23 +41,36 @@ static void acts_free(Acts *a) {
     free(a->p16);
     free(a->s);
     free(a->sp);
+    free(a->sp16);
+}
+
+static inline int32_t hsum_epi32(__m256i v) {
+    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
+    return _mm_cvtsi128_si32(_mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1)));
 }
 
 __attribute__((optimize("no-fast-math")))
-static int acts_of(Acts *a, const void *x, int64_t x_stride, int rows, int k, int levels) {
-    const int chunks = k / 32;
+static int acts_of(Acts *a, const void *x, int64_t x_stride, int rows, int k, int levels,
+                   int type) {
+    const int chunks = k / 32, run = activation_run(type, levels);
     memset(a, 0, sizeof *a);
     if (levels > 127) a->p16 = aligned_alloc(32, (size_t)rows * k * 2);
     else a->p8 = aligned_alloc(32, (size_t)rows * k);
     a->s = malloc((size_t)rows * chunks * sizeof(float));
     a->sp = malloc((size_t)rows * chunks * sizeof(float));
-    if ((a->p8 == NULL && a->p16 == NULL) || a->s == NULL || a->sp == NULL) {
+    if (is_k_quant(type)) a->sp16 = malloc((size_t)rows * chunks * 2 * sizeof(float));
+    if ((a->p8 == NULL && a->p16 == NULL) || a->s == NULL || a->sp == NULL
+        || (is_k_quant(type) && a->sp16 == NULL)) {
         acts_free(a);
         return -2;
     }
     const __m256 sign = _mm256_set1_ps(-0.0f);
+    float run_amax = 0.0f;
     for (int r = 0; r < rows; r++)
         for (int j = 0; j < chunks; j++) {
+            if (run > 32 && 32 * j % run == 0)
+                run_amax = magnitude_of(x, r * x_stride + 32 * j, 0, run);
             const float *xe = (const float *)x + r * x_stride + 32 * j;
             __m256 v[4], top = _mm256_setzero_ps();
             for (int i = 0; i < 4; i++) {
@@ -66,20 +80,21 @@ static int acts_of(Acts *a, const void *x, int64_t x_stride, int rows, int k, in
             __m128 t = _mm_max_ps(_mm256_castps256_ps128(top), _mm256_extractf128_ps(top, 1));
             t = _mm_max_ps(t, _mm_movehl_ps(t, t));
             t = _mm_max_ss(t, _mm_movehdup_ps(t));
-            const float scale = _mm_cvtss_f32(t) / (float)levels;
+            const float amax = run > 32 ? run_amax : _mm_cvtss_f32(t);
+            const float scale = amax / (float)levels;
             const __m256 inverse = _mm256_set1_ps(scale > 0.0f ? 1.0f / scale : 0.0f);
-            __m256i p[4], sum = _mm256_setzero_si256();
-            for (int i = 0; i < 4; i++) {  /* to nearest, halves to even, as rintf */
+            __m256i p[4];
+            for (int i = 0; i < 4; i++)  /* to nearest, halves to even, as rintf */
                 p[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inverse));
-                sum = _mm256_add_epi32(sum, p[i]);
-            }
-            __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum),
-                                       _mm256_extracti128_si256(sum, 1));
-            s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
-            s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1));
+            const int32_t lo = hsum_epi32(_mm256_add_epi32(p[0], p[1]));
+            const int32_t hi = hsum_epi32(_mm256_add_epi32(p[2], p[3]));
             const int64_t at = (int64_t)r * chunks + j;
             a->s[at] = scale;
-            a->sp[at] = scale * (float)_mm_cvtsi128_si32(s4);
+            a->sp[at] = scale * (float)(lo + hi);
+            if (a->sp16 != NULL) {
+                a->sp16[2 * at] = scale * (float)lo;
+                a->sp16[2 * at + 1] = scale * (float)hi;
+            }
             /* packs interleave 128-bit lanes: the permutation puts the values back in order */
             const __m256i w01 = _mm256_permute4x64_epi64(_mm256_packs_epi32(p[0], p[1]), 0xd8);
             const __m256i w23 = _mm256_permute4x64_epi64(_mm256_packs_epi32(p[2], p[3]), 0xd8);
@@ -106,19 +121,30 @@ static inline __m256i nibbles(__m256i v, int high) {
     return _mm256_and_si256(high ? _mm256_srli_epi16(v, 4) : v, _mm256_set1_epi8(15));
 }
 
-/* One weight row unpacked: q [k] signed bytes (the offset taken off), d [2 * chunks] (each
- * half-chunk's factor), m [chunks] (the mins; has_min types only). The integers are
- * chunk_quants', the factors chunk_scales'. */
+/* One weight row unpacked: q [k] bytes, d [2 * chunks] (each half-chunk's factor) and m (the
+ * mins, has_min types: [chunks]; Q6_K's offset, -32 d a half-chunk: [2 * chunks]). The
+ * integers are chunk_quants', signed with the offset taken off (Q4_0's 8), except Q6_K's: its
+ * 0 .. 63 as stored. The factors are chunk_scales'. The K-quants' also as integers: sc [chunks],
+ * each chunk's two half-chunk scales as int16 (low half first), and dsb [chunks / 8], each
+ * super-block's d (for Q8_K activations). */
 static ALWAYS_INLINE void unpack_row(const uint8_t *row, int type, int chunks, int8_t *q,
-                                     float *d, float *m) {
+                                     float *d, float *m, uint32_t *sc, float *dsb) {
     if (is_k_quant(type)) {
         for (int sb = 0; sb < chunks / 8; sb++) {
             const uint8_t *b = row + (int64_t)sb * stored_block_bytes(type);
             int8_t *qb = q + 256 * sb;
             float *db = d + 16 * sb;
+            uint32_t *scb = sc + 8 * sb;
             if (type == Q6_K) {
                 const float dd = half_load(b + 208);
-                for (int i = 0; i < 16; i++) db[i] = dd * (float)(int8_t)b[192 + i];
+                dsb[sb] = dd;
+                for (int i = 0; i < 16; i++) {
+                    db[i] = dd * (float)(int8_t)b[192 + i];
+                    m[16 * sb + i] = -32.0f * db[i];
+                }
+                for (int j = 0; j < 8; j++)
+                    scb[j] = (uint16_t)(int8_t)b[192 + 2 * j]
+                             | (uint32_t)(uint16_t)(int8_t)b[193 + 2 * j] << 16;
                 for (int j = 0; j < 8; j++) {  /* chunk_quants' layout */
                     const int h = j >> 2, t = j & 3;
                     const __m256i ql = _mm256_loadu_si256(
@@ -126,17 +152,19 @@ static ALWAYS_INLINE void unpack_row(const uint8_t *row, int type, int chunks, i
                     const __m256i qh = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * h));
                     const __m256i hi = _mm256_slli_epi16(_mm256_and_si256(
                         _mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * t)), _mm256_set1_epi8(3)), 4);
-                    _mm256_storeu_si256((__m256i *)(qb + 32 * j), _mm256_sub_epi8(
-                        _mm256_or_si256(nibbles(ql, t >> 1), hi), _mm256_set1_epi8(32)));
+                    _mm256_storeu_si256((__m256i *)(qb + 32 * j),
+                                        _mm256_or_si256(nibbles(ql, t >> 1), hi));
                 }
             } else {
                 uint32_t u[4];
                 k_scales_mins(b, u);
                 const uint8_t *sm = (const uint8_t *)u;
                 const float dd = half_load(b), dmin = half_load(b + 2);
+                dsb[sb] = dd;
                 for (int j = 0; j < 8; j++) {
                     db[2 * j] = db[2 * j + 1] = dd * (float)sm[j];
                     m[8 * sb + j] = -(dmin * (float)sm[8 + j]);
+                    scb[j] = sm[j] | (uint32_t)sm[j] << 16;
                 }
                 const __m256i fifth = type == Q5_K
                     ? _mm256_loadu_si256((const __m256i *)(b + 16)) : _mm256_setzero_si256();
@@ -182,15 +210,52 @@ static inline float hsum(__m256 v) {
     return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 
-/* One unpacked weight row against activation rows r0 .. r0 + rt: out[t] its dot with each (no
- * bias). `type`, `rt` and `wide` (int16 activations) are constants in each caller. */
-static ALWAYS_INLINE void pass(const int8_t *q, const float *d, const float *m, int type,
-                              int chunks, int k, const Acts *a, int r0, int rt, int wide,
-                              float *out) {
+/* K-quant rows (ow: 1 or 2, k bytes apart as unpacked) on int8 activations of one scale a
+ * super-block (Q8_K), into acc[i][t]: each chunk's pmaddubsw pairs take its half-chunks'
+ * integer scales through pmaddwd, and the int32 sums run through the super-block; d * s once at
+ * its end. Two weight rows share each activation load. */
+static ALWAYS_INLINE void pass_superblocks(const int8_t *q, const uint32_t *sc, const float *dsb,
+                                          int chunks, int k, const Acts *a, int r0, int rt,
+                                          int ow, __m256 acc[2][RT]) {
+    /* each 128-bit lane's int16 lanes all the lane's half-chunk scale */
+    const __m256i halves = _mm256_set_epi8(3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2,
+                                           1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0);
+    for (int sb = 0; sb < chunks / 8; sb++) {
+        __m256i sum[2][RT];
+        for (int i = 0; i < 2; i++)
+            for (int t = 0; t < RT; t++) sum[i][t] = _mm256_setzero_si256();
+        #pragma GCC unroll 8
+        for (int j = 8 * sb; j < 8 * sb + 8; j++) {
+            __m256i w[2], scales[2];
+            for (int i = 0; i < ow; i++) {
+                w[i] = _mm256_loadu_si256((const __m256i *)(q + (int64_t)i * k + 32 * j));
+                scales[i] = _mm256_shuffle_epi8(
+                    _mm256_set1_epi32((int)sc[(int64_t)i * chunks + j]), halves);
+            }
+            #pragma GCC unroll 4
+            for (int t = 0; t < rt; t++) {
+                const __m256i p = _mm256_load_si256(
+                    (const __m256i *)(a->p8 + (int64_t)(r0 + t) * k + 32 * j));
+                for (int i = 0; i < ow; i++)
+                    sum[i][t] = _mm256_add_epi32(sum[i][t], _mm256_madd_epi16(
+                        _mm256_maddubs_epi16(w[i], p), scales[i]));
+            }
+        }
+        for (int i = 0; i < ow; i++)
+            for (int t = 0; t < rt; t++)
+                acc[i][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[i][t]), _mm256_set1_ps(
+                    dsb[i * (chunks / 8) + sb] * a->s[(int64_t)(r0 + t) * chunks + 8 * sb]),
+                    acc[i][t]);
+    }
+}
+
+/* A row on activations of a scale a chunk, into acc[t]: each chunk's int32 lanes become float32
+ * and take d * s. */
+static ALWAYS_INLINE void pass_chunks(const int8_t *q, const float *d, int type, int chunks,
+                                     int k, const Acts *a, int r0, int rt, int wide,
+                                     __m256 *acc) {
     /* the types whose stored integers are never negative take pmaddubsw without signs */
-    const int unsigned_q = has_min(type);
-    __m256 acc[RT];
-    for (int t = 0; t < RT; t++) acc[t] = _mm256_setzero_ps();
+    const int unsigned_q = has_min(type) || type == Q6_K;
     for (int j = 0; j < chunks; j++) {
         const __m256i w = _mm256_loadu_si256((const __m256i *)(q + 32 * j));
         /* lanes 0-3: the chunk's first 16 values; 4-7: the last 16 */
@@ -224,58 +289,87 @@ static ALWAYS_INLINE void pass(const int8_t *q, const float *d, const float *m, 
             }
         }
     }
-    for (int t = 0; t < rt; t++) {
-        if (has_min(type)) {  /* the mins' share: m . (s * sum(p)) over the chunks */
-            const float *sp = a->sp + (int64_t)(r0 + t) * chunks;
-            int j = 0;
-            for (; j + 8 <= chunks; j += 8)
-                acc[t] = _mm256_fmadd_ps(_mm256_loadu_ps(m + j), _mm256_loadu_ps(sp + j), acc[t]);
-            float rest = 0.0f;
-            for (; j < chunks; j++) rest += m[j] * sp[j];
-            out[t] = hsum(acc[t]) + rest;
-        } else {
-            out[t] = hsum(acc[t]);
-        }
-    }
 }
 
-#define PASS_TYPE(RTC, WIDE) \
+/* Unpacked weight rows (ow: 1 or 2, as unpack_rows lays them) against activation rows r0 ..
+ * r0 + rt: out[i * RT + t] their dots (no bias). `type`, `rt`, `ow` and `wide` (int16
+ * activations) are constants in each caller. */
+static ALWAYS_INLINE void pass(const int8_t *q, const float *d, const float *m,
+                              const uint32_t *sc, const float *dsb, int type, int chunks, int k,
+                              const Acts *a, int r0, int rt, int ow, int wide, float *out) {
+    __m256 acc[2][RT];
+    for (int i = 0; i < 2; i++)
+        for (int t = 0; t < RT; t++) acc[i][t] = _mm256_setzero_ps();
+    if (is_k_quant(type) && !wide)
+        pass_superblocks(q, sc, dsb, chunks, k, a, r0, rt, ow, acc);
+    else
+        for (int i = 0; i < ow; i++)
+            pass_chunks(q + (int64_t)i * k, d + (int64_t)i * 2 * chunks, type, chunks, k, a, r0,
+                        rt, wide, acc[i]);
+    /* the mins' share: m . (s * sum(p)) over the chunks (Q6_K: its offsets, half-chunks) */
+    const int groups = type == Q6_K ? 2 * chunks : chunks;
+    for (int i = 0; i < ow; i++)
+        for (int t = 0; t < rt; t++) {
+            if (has_min(type) || type == Q6_K) {
+                const float *mi = m + (int64_t)i * 2 * chunks;
+                const float *sp = type == Q6_K ? a->sp16 + (int64_t)(r0 + t) * groups
+                                               : a->sp + (int64_t)(r0 + t) * chunks;
+                int j = 0;
+                for (; j + 8 <= groups; j += 8)
+                    acc[i][t] = _mm256_fmadd_ps(_mm256_loadu_ps(mi + j), _mm256_loadu_ps(sp + j),
+                                                acc[i][t]);
+                float rest = 0.0f;
+                for (; j < groups; j++) rest += mi[j] * sp[j];
+                out[i * RT + t] = hsum(acc[i][t]) + rest;
+            } else {
+                out[i * RT + t] = hsum(acc[i][t]);
+            }
+        }
+}
+
+#define PASS_TYPE(RTC, OW, WIDE) \
     switch (type) { \
-    case Q4_0: pass(q, d, m, Q4_0, chunks, k, a, r0, RTC, WIDE, out); break; \
-    case Q4_1: pass(q, d, m, Q4_1, chunks, k, a, r0, RTC, WIDE, out); break; \
-    case Q5_1: pass(q, d, m, Q5_1, chunks, k, a, r0, RTC, WIDE, out); break; \
-    case Q8_0: pass(q, d, m, Q8_0, chunks, k, a, r0, RTC, WIDE, out); break; \
-    case Q4_K: pass(q, d, m, Q4_K, chunks, k, a, r0, RTC, WIDE, out); break; \
-    case Q5_K: pass(q, d, m, Q5_K, chunks, k, a, r0, RTC, WIDE, out); break; \
-    default: pass(q, d, m, Q6_K, chunks, k, a, r0, RTC, WIDE, out); break; \
+    case Q4_0: pass(q, d, m, sc, dsb, Q4_0, chunks, k, a, r0, RTC, OW, WIDE, out); break; \
+    case Q4_1: pass(q, d, m, sc, dsb, Q4_1, chunks, k, a, r0, RTC, OW, WIDE, out); break; \
+    case Q5_1: pass(q, d, m, sc, dsb, Q5_1, chunks, k, a, r0, RTC, OW, WIDE, out); break; \
+    case Q8_0: pass(q, d, m, sc, dsb, Q8_0, chunks, k, a, r0, RTC, OW, WIDE, out); break; \
+    case Q4_K: pass(q, d, m, sc, dsb, Q4_K, chunks, k, a, r0, RTC, OW, WIDE, out); break; \
+    case Q5_K: pass(q, d, m, sc, dsb, Q5_K, chunks, k, a, r0, RTC, OW, WIDE, out); break; \
+    default: pass(q, d, m, sc, dsb, Q6_K, chunks, k, a, r0, RTC, OW, WIDE, out); break; \
     }
 
-static void pass_rows(const int8_t *q, const float *d, const float *m, int type, int chunks,
-                      int k, const Acts *a, int r0, int rt, float *out) {
+static void pass_rows(const int8_t *q, const float *d, const float *m, const uint32_t *sc,
+                      const float *dsb, int type, int chunks, int k, const Acts *a, int r0,
+                      int rt, int ow, float *out) {
     if (a->p16 != NULL) {
-        if (rt == 4) { PASS_TYPE(4, 1) } else if (rt == 2) { PASS_TYPE(2, 1) }
-        else { PASS_TYPE(1, 1) }
+        if (rt == 4) { PASS_TYPE(4, 1, 1) } else if (rt == 2) { PASS_TYPE(2, 1, 1) }
+        else { PASS_TYPE(1, 1, 1) }
+    } else if (ow == 2) {
+        if (rt == 4) { PASS_TYPE(4, 2, 0) } else if (rt == 2) { PASS_TYPE(2, 2, 0) }
+        else { PASS_TYPE(1, 2, 0) }
     } else {
-        if (rt == 4) { PASS_TYPE(4, 0) } else if (rt == 2) { PASS_TYPE(2, 0) }
-        else { PASS_TYPE(1, 0) }
+        if (rt == 4) { PASS_TYPE(4, 1, 0) } else if (rt == 2) { PASS_TYPE(2, 1, 0) }
+        else { PASS_TYPE(1, 1, 0) }
     }
 }
 
 /* The unpacking, with the type a constant. */
 static void unpack_rows(const uint8_t *w, int64_t row_bytes, int type, int chunks, int o0,
-                        int count, int8_t *q, float *d, float *m) {
+                        int count, int8_t *q, float *d, float *m, uint32_t *sc, float *dsb) {
     for (int i = 0; i < count; i++) {
         const uint8_t *row = w + (int64_t)(o0 + i) * row_bytes;
         int8_t *qi = q + (int64_t)i * 32 * chunks;
-        float *di = d + (int64_t)i * 2 * chunks, *mi = m + (int64_t)i * chunks;
+        float *di = d + (int64_t)i * 2 * chunks, *mi = m + (int64_t)i * 2 * chunks;
+        uint32_t *sci = sc + (int64_t)i * chunks;
+        float *dsbi = dsb + (int64_t)i * (chunks / 8);
         switch (type) {
-        case Q4_0: unpack_row(row, Q4_0, chunks, qi, di, mi); break;
-        case Q4_1: unpack_row(row, Q4_1, chunks, qi, di, mi); break;
-        case Q5_1: unpack_row(row, Q5_1, chunks, qi, di, mi); break;
-        case Q8_0: unpack_row(row, Q8_0, chunks, qi, di, mi); break;
-        case Q4_K: unpack_row(row, Q4_K, chunks, qi, di, mi); break;
-        case Q5_K: unpack_row(row, Q5_K, chunks, qi, di, mi); break;
-        default: unpack_row(row, Q6_K, chunks, qi, di, mi); break;
+        case Q4_0: unpack_row(row, Q4_0, chunks, qi, di, mi, sci, dsbi); break;
+        case Q4_1: unpack_row(row, Q4_1, chunks, qi, di, mi, sci, dsbi); break;
+        case Q5_1: unpack_row(row, Q5_1, chunks, qi, di, mi, sci, dsbi); break;
+        case Q8_0: unpack_row(row, Q8_0, chunks, qi, di, mi, sci, dsbi); break;
+        case Q4_K: unpack_row(row, Q4_K, chunks, qi, di, mi, sci, dsbi); break;
+        case Q5_K: unpack_row(row, Q5_K, chunks, qi, di, mi, sci, dsbi); break;
+        default: unpack_row(row, Q6_K, chunks, qi, di, mi, sci, dsbi); break;
         }
     }
 }
@@ -286,28 +380,36 @@ static int quant_linear_int(const void *x, int64_t x_stride, int bf16, const uin
     if (bf16 || !int_linear_takes(type, k, rows, levels)) return -1;
     const int chunks = k / 32;
     Acts a;
-    if (acts_of(&a, x, x_stride, rows, k, levels) != 0) return -2;
+    if (acts_of(&a, x, x_stride, rows, k, levels, type) != 0) return -2;
     int failed = 0;
     #pragma omp parallel num_threads(threads)
     {
         int8_t *q = malloc((size_t)OB * k);
         float *d = malloc((size_t)OB * 2 * chunks * sizeof(float));
-        float *m = malloc((size_t)OB * chunks * sizeof(float));
+        float *m = malloc((size_t)OB * 2 * chunks * sizeof(float));
+        uint32_t *sc = malloc((size_t)OB * chunks * sizeof(uint32_t));
+        float *dsb = malloc((size_t)OB * (chunks / 8 + 1) * sizeof(float));
         int n0, n1;
         thread_share(n, &n0, &n1);
-        if (q == NULL || d == NULL || m == NULL) failed = 1;
+        if (q == NULL || d == NULL || m == NULL || sc == NULL || dsb == NULL) failed = 1;
         for (int ob = n0; !failed && ob < n1; ob += OB) {
             const int count = n1 - ob < OB ? n1 - ob : OB;
-            unpack_rows(w, row_bytes, type, chunks, ob, count, q, d, m);
+            unpack_rows(w, row_bytes, type, chunks, ob, count, q, d, m, sc, dsb);
             for (int r0 = 0; r0 < rows;) {
                 const int left = rows - r0, rt = left >= 4 ? 4 : left >= 2 ? 2 : 1;
-                for (int i = 0; i < count; i++) {
-                    float out[RT];
+                for (int i = 0; i < count;) {
+                    const int ow = a.p8 != NULL && count - i >= 2 ? 2 : 1;
+                    float out[2 * RT];
                     pass_rows(q + (int64_t)i * k, d + (int64_t)i * 2 * chunks,
-                              m + (int64_t)i * chunks, type, chunks, k, &a, r0, rt, out);
-                    const float b = bias != NULL ? ((const float *)bias)[ob + i] : 0.0f;
-                    for (int t = 0; t < rt; t++)
-                        ((float *)y)[(int64_t)(r0 + t) * y_stride + ob + i] = out[t] + b;
+                              m + (int64_t)i * 2 * chunks, sc + (int64_t)i * chunks,
+                              dsb + (int64_t)i * (chunks / 8), type, chunks, k, &a, r0, rt, ow,
+                              out);
+                    for (int e = 0; e < ow; e++, i++) {
+                        const float b = bias != NULL ? ((const float *)bias)[ob + i] : 0.0f;
+                        for (int t = 0; t < rt; t++)
+                            ((float *)y)[(int64_t)(r0 + t) * y_stride + ob + i] =
+                                out[e * RT + t] + b;
+                    }
                 }
                 r0 += rt;
             }
@@ -315,6 +417,8 @@ static int quant_linear_int(const void *x, int64_t x_stride, int bf16, const uin
         free(q);
         free(d);
         free(m);
+        free(sc);
+        free(dsb);
     }
     acts_free(&a);
     return failed ? -2 : 0;

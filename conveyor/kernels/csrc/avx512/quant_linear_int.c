@@ -63,7 +63,7 @@ static inline __m512i join4(const __m128i q[4]) {
  * memory. */
 __attribute__((optimize("no-fast-math")))
 static int planes_of(Planes *a, const void *x, int64_t x_stride, int bf16, int rows, int k,
-                     int levels, int offset) {
+                     int levels, int run, int offset) {
     const int chunks = k / 32, pairs = (chunks + 1) / 2;
     const size_t vectors = (size_t)rows * pairs * 64;
     memset(a, 0, sizeof *a);
@@ -78,6 +78,7 @@ static int planes_of(Planes *a, const void *x, int64_t x_stride, int bf16, int r
         planes_free(a);
         return -2;
     }
+    float run_amax = 0.0f;
     for (int r = 0; r < rows; r++)
         for (int i = 0; i < pairs; i++) {
             const int64_t at = (int64_t)r * pairs + i;
@@ -95,7 +96,9 @@ static int planes_of(Planes *a, const void *x, int64_t x_stride, int bf16, int r
                     v0 = _mm512_loadu_ps((const float *)x + e0);
                     v1 = _mm512_loadu_ps((const float *)x + e0 + 16);
                 }
-                const float amax = _mm512_reduce_max_ps(
+                if (run > 32 && 32 * j % run == 0)
+                    run_amax = magnitude_of(x, r * x_stride + 32 * j, bf16, run);
+                const float amax = run > 32 ? run_amax : _mm512_reduce_max_ps(
                     _mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
                 const float scale = amax / (float)levels;
                 const __m512 inverse = _mm512_set1_ps(scale > 0.0f ? 1.0f / scale : 0.0f);
@@ -316,7 +319,8 @@ static int quant_linear_int(const void *x, int64_t x_stride, int bf16, const uin
     if (!int_linear_takes(type, k, rows, levels)) return -1;
     const int chunks = k / 32;
     Planes a;
-    if (planes_of(&a, x, x_stride, bf16, rows, k, levels, type_offset(type)) != 0) return -2;
+    if (planes_of(&a, x, x_stride, bf16, rows, k, levels, activation_run(type, levels),
+                  type_offset(type)) != 0) return -2;
     int failed = 0;
     #pragma omp parallel num_threads(threads)
     {

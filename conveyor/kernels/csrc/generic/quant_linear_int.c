@@ -1,9 +1,9 @@
 /* A block linear on integer activations (--activation-quant int16 | int8), in plain C.
  *
- * Each row of x is cut into runs of 32 values (a chunk of the weights' row), each run scaled
- * to its largest magnitude and rounded to the nearest integer, halves to even: int16 (levels
- * 16383: 15 bits, so that the VNNI kernels take each value as two signed bytes) or int8 (127,
- * llama.cpp's Q8_0), x ~ s * p. A chunk of weights is w = d * q + m
+ * Each row of x is cut into runs of 32 values (a chunk of the weights' row), or of 256 (int8
+ * on the K-quants: activation_run), each run scaled to its largest magnitude and rounded to the
+ * nearest integer, halves to even: int16 (levels 16383: 15 bits, so that the VNNI kernels take
+ * each value as two signed bytes) or int8 (127: llama.cpp's Q8_0, or Q8_K), x ~ s * p. A chunk of weights is w = d * q + m
  * (blocks.h; Q6_K has a d per 16), so its share of y is
  *
  *     (d * s) * (q . p) + (m * s) * sum(p)
@@ -23,8 +23,8 @@
 #include "common.h"
 #include "int_activations.h"
 
-/* x's rows as an integer linear multiplies them: p [rows][k] int16, and per run of 32 its
- * scale s and s * sum(p) (sp: what a chunk's min multiplies) [rows][k / 32]. */
+/* x's rows as an integer linear multiplies them: p [rows][k] int16, and per chunk of 32 its
+ * run's scale s and s * sum(p) (sp: what a chunk's min multiplies) [rows][k / 32]. */
 typedef struct {
     int16_t *p;
     float *s, *sp;
@@ -36,12 +36,12 @@ static inline void int_rows_free(IntRows *a) {
     free(a->sp);
 }
 
-/* Each run of 32 values scaled to amax / levels, rounded with its inverse 1 / scale. Not under
+/* Each run of `run` values scaled to amax / levels, rounded with its inverse 1 / scale. Not under
  * fast math: both rounded as the reference rounds them (a reciprocal instead of the division
  * could move a value across a rounding boundary). Returns -2 (nothing held) without memory. */
 __attribute__((optimize("no-fast-math")))
 static int int_rows(IntRows *a, const void *x, int64_t x_stride, int bf16, int rows, int k,
-                    int levels) {
+                    int levels, int run) {
     const int chunks = k / 32;
     a->p = malloc((size_t)rows * k * sizeof(int16_t));
     a->s = malloc((size_t)rows * chunks * sizeof(float));
@@ -50,13 +50,12 @@ static int int_rows(IntRows *a, const void *x, int64_t x_stride, int bf16, int r
         int_rows_free(a);
         return -2;
     }
+    float amax = 0.0f;
     for (int r = 0; r < rows; r++)
         for (int j = 0; j < chunks; j++) {
-            float v[32], amax = 0.0f;
-            for (int e = 0; e < 32; e++) {
-                v[e] = elem_load(x, r * x_stride + 32 * j + e, bf16);
-                amax = fmaxf(amax, fabsf(v[e]));
-            }
+            if (32 * j % run == 0) amax = magnitude_of(x, r * x_stride + 32 * j, bf16, run);
+            float v[32];
+            for (int e = 0; e < 32; e++) v[e] = elem_load(x, r * x_stride + 32 * j + e, bf16);
             const float scale = amax / (float)levels;
             const float inverse = scale > 0.0f ? 1.0f / scale : 0.0f;
             int32_t sum = 0;
@@ -87,7 +86,8 @@ static int quant_linear_int(const void *x, int64_t x_stride, int bf16, const uin
     if (!int_linear_takes(type, k, rows, levels)) return -1;
     const int chunks = k / 32;
     IntRows a;
-    if (int_rows(&a, x, x_stride, bf16, rows, k, levels) != 0) return -2;
+    if (int_rows(&a, x, x_stride, bf16, rows, k, levels, activation_run(type, levels)) != 0)
+        return -2;
     int failed = 0;
     #pragma omp parallel num_threads(threads)
     {
