@@ -6,7 +6,7 @@ Each row of activations is cut into runs; a run is scaled symmetrically to its l
 magnitude and rounded to the nearest integer, halves to even (as SIMD conversions round). int8
 is llama.cpp's numerics: runs of 32 (Q8_0, scale max|x| / 127, here kept in float32) on most
 block types, runs of 256 (Q8_K) on the K-quants (``kernel_mode``; ``int8-superblock`` applies
-that to every linear, to measure it). int16 takes runs of 32 to 16383 (15 bits, so that a VNNI
+that to every linear whose width is a multiple of 256, to measure it). int16 takes runs of 32 to 16383 (15 bits, so that a VNNI
 kernel takes each value as two signed bytes: 128 * (p >> 7) + (p & 127)). ``int8-token`` scales
 a whole row at once (one scale per token), the coarser scheme llama.cpp does not use.
 """
@@ -34,7 +34,9 @@ def quantize(x: torch.Tensor, mode: str) -> tuple[torch.Tensor, torch.Tensor]:
     """(q, scales): ``x`` [..., k] as integers (int32, [..., k]) and the float32 scale of each
     run ([..., k / run], or [..., 1] per token): x ~ q * scale. k must be a multiple of the run."""
     levels = _LEVELS[mode]
-    run = {"int8-token": x.shape[-1], "int8-superblock": SUPERBLOCK}.get(mode, BLOCK)
+    # (a row too short for runs of 256 never meets K-quant weights: their rows are 256s)
+    superblock = SUPERBLOCK if x.shape[-1] % SUPERBLOCK == 0 else BLOCK
+    run = {"int8-token": x.shape[-1], "int8-superblock": superblock}.get(mode, BLOCK)
     runs = x.float().reshape(*x.shape[:-1], -1, run)
     scales = runs.abs().amax(dim=-1) / levels
     inverse = torch.where(scales > 0, 1.0 / scales, torch.zeros_like(scales))

@@ -24,7 +24,8 @@
 #include "int_activations.h"
 
 #define RT 4   /* activation rows a pass takes (1, 2 or 4) */
-#define OB 4  /* weight rows unpacked at a time and passed by every group of RT rows */
+#define PREFETCH 4096  /* bytes ahead a few-row call prefetches the blocks it reads */
+#define OB 16  /* weight rows unpacked at a time and passed by every group of RT rows */
 
 /* x's rows as integers, as generic/quant_linear_int.c's int_rows quantizes them (the same
  * roundings, so not under fast math): p8 (int8) or p16 (int16) [rows][k], s (each chunk's
@@ -121,6 +122,56 @@ static inline __m256i nibbles(__m256i v, int high) {
     return _mm256_and_si256(high ? _mm256_srli_epi16(v, 4) : v, _mm256_set1_epi8(15));
 }
 
+/* A K-quant super-block's factors: sc [8], each chunk's two half-chunk scales as int16 (low
+ * half first); d [16], each half-chunk's factor as float32; m, Q4_K/Q5_K: [8] the chunks' mins,
+ * Q6_K: [16] the half-chunks' offsets (-32 d). Returns the super-block's d. */
+static ALWAYS_INLINE float k_scales(const uint8_t *b, int type, uint32_t *sc, float *d,
+                                    float *m) {
+    if (type == Q6_K) {
+        const float dd = half_load(b + 208);
+        for (int i = 0; i < 16; i++) {
+            d[i] = dd * (float)(int8_t)b[192 + i];
+            m[i] = -32.0f * d[i];
+        }
+        for (int j = 0; j < 8; j++)
+            sc[j] = (uint16_t)(int8_t)b[192 + 2 * j]
+                    | (uint32_t)(uint16_t)(int8_t)b[193 + 2 * j] << 16;
+        return dd;
+    }
+    uint32_t u[4];
+    k_scales_mins(b, u);
+    const uint8_t *sm = (const uint8_t *)u;
+    const float dd = half_load(b), dmin = half_load(b + 2);
+    for (int j = 0; j < 8; j++) {
+        d[2 * j] = d[2 * j + 1] = dd * (float)sm[j];
+        m[j] = -(dmin * (float)sm[8 + j]);
+        sc[j] = sm[j] | (uint32_t)sm[j] << 16;
+    }
+    return dd;
+}
+
+/* Chunk j (0 .. 7) of a K-quant super-block as 32 bytes, chunk_quants' integers (Q6_K's 0 ..
+ * 63 as stored, its offset left to its m). */
+static ALWAYS_INLINE __m256i k_chunk(const uint8_t *b, int type, int j) {
+    if (type == Q6_K) {  /* chunk_quants' layout */
+        const int h = j >> 2, t = j & 3;
+        const __m256i ql = _mm256_loadu_si256((const __m256i *)(b + 64 * h + 32 * (t & 1)));
+        const __m256i qh = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * h));
+        const __m256i hi = _mm256_slli_epi16(_mm256_and_si256(
+            _mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * t)), _mm256_set1_epi8(3)), 4);
+        return _mm256_or_si256(nibbles(ql, t >> 1), hi);
+    }
+    __m256i v = nibbles(_mm256_loadu_si256((const __m256i *)(
+        b + (type == Q4_K ? 16 : 48) + 32 * (j >> 1))), j & 1);
+    if (type == Q5_K) {
+        const __m256i fifth = _mm256_loadu_si256((const __m256i *)(b + 16));
+        const __m256i bit = _mm256_set1_epi8((char)(1 << j));
+        v = _mm256_or_si256(v, _mm256_and_si256(_mm256_cmpeq_epi8(
+            _mm256_and_si256(fifth, bit), bit), _mm256_set1_epi8(16)));
+    }
+    return v;
+}
+
 /* One weight row unpacked: q [k] bytes, d [2 * chunks] (each half-chunk's factor) and m (the
  * mins, has_min types: [chunks]; Q6_K's offset, -32 d a half-chunk: [2 * chunks]). The
  * integers are chunk_quants', signed with the offset taken off (Q4_0's 8), except Q6_K's: its
@@ -132,53 +183,10 @@ static ALWAYS_INLINE void unpack_row(const uint8_t *row, int type, int chunks, i
     if (is_k_quant(type)) {
         for (int sb = 0; sb < chunks / 8; sb++) {
             const uint8_t *b = row + (int64_t)sb * stored_block_bytes(type);
-            int8_t *qb = q + 256 * sb;
-            float *db = d + 16 * sb;
-            uint32_t *scb = sc + 8 * sb;
-            if (type == Q6_K) {
-                const float dd = half_load(b + 208);
-                dsb[sb] = dd;
-                for (int i = 0; i < 16; i++) {
-                    db[i] = dd * (float)(int8_t)b[192 + i];
-                    m[16 * sb + i] = -32.0f * db[i];
-                }
-                for (int j = 0; j < 8; j++)
-                    scb[j] = (uint16_t)(int8_t)b[192 + 2 * j]
-                             | (uint32_t)(uint16_t)(int8_t)b[193 + 2 * j] << 16;
-                for (int j = 0; j < 8; j++) {  /* chunk_quants' layout */
-                    const int h = j >> 2, t = j & 3;
-                    const __m256i ql = _mm256_loadu_si256(
-                        (const __m256i *)(b + 64 * h + 32 * (t & 1)));
-                    const __m256i qh = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * h));
-                    const __m256i hi = _mm256_slli_epi16(_mm256_and_si256(
-                        _mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * t)), _mm256_set1_epi8(3)), 4);
-                    _mm256_storeu_si256((__m256i *)(qb + 32 * j),
-                                        _mm256_or_si256(nibbles(ql, t >> 1), hi));
-                }
-            } else {
-                uint32_t u[4];
-                k_scales_mins(b, u);
-                const uint8_t *sm = (const uint8_t *)u;
-                const float dd = half_load(b), dmin = half_load(b + 2);
-                dsb[sb] = dd;
-                for (int j = 0; j < 8; j++) {
-                    db[2 * j] = db[2 * j + 1] = dd * (float)sm[j];
-                    m[8 * sb + j] = -(dmin * (float)sm[8 + j]);
-                    scb[j] = sm[j] | (uint32_t)sm[j] << 16;
-                }
-                const __m256i fifth = type == Q5_K
-                    ? _mm256_loadu_si256((const __m256i *)(b + 16)) : _mm256_setzero_si256();
-                for (int j = 0; j < 8; j++) {
-                    __m256i v = nibbles(_mm256_loadu_si256((const __m256i *)(
-                        b + (type == Q4_K ? 16 : 48) + 32 * (j >> 1))), j & 1);
-                    if (type == Q5_K) {
-                        const __m256i bit = _mm256_set1_epi8((char)(1 << j));
-                        v = _mm256_or_si256(v, _mm256_and_si256(_mm256_cmpeq_epi8(
-                            _mm256_and_si256(fifth, bit), bit), _mm256_set1_epi8(16)));
-                    }
-                    _mm256_storeu_si256((__m256i *)(qb + 32 * j), v);
-                }
-            }
+            dsb[sb] = k_scales(b, type, sc + 8 * sb, d + 16 * sb,
+                               m + (type == Q6_K ? 16 : 8) * sb);
+            for (int j = 0; j < 8; j++)
+                _mm256_storeu_si256((__m256i *)(q + 256 * sb + 32 * j), k_chunk(b, type, j));
         }
         return;
     }
@@ -247,6 +255,83 @@ static ALWAYS_INLINE void pass_superblocks(const int8_t *q, const uint32_t *sc, 
                     dsb[i * (chunks / 8) + sb] * a->s[(int64_t)(r0 + t) * chunks + 8 * sb]),
                     acc[i][t]);
     }
+}
+
+/* A K-quant weight row read as it is stored (no unpacking: for calls of at most RT rows, which
+ * pass it once) against int8 activation rows 0 .. rt, Q8_K numerics as pass_superblocks':
+ * out[t] its dots (no bias). */
+static ALWAYS_INLINE void pass_stored(const uint8_t *row, int type, int chunks, int k,
+                                     const Acts *a, int rt, float *out) {
+    const __m256i halves = _mm256_set_epi8(3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2,
+                                           1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0);
+    __m256 acc[RT];
+    for (int t = 0; t < RT; t++) acc[t] = _mm256_setzero_ps();
+    for (int sb = 0; sb < chunks / 8; sb++) {
+        const uint8_t *b = row + (int64_t)sb * stored_block_bytes(type);
+        /* the rows are read once, from memory: ahead of the hardware's prefetch */
+        for (int at = 0; at < stored_block_bytes(type); at += 64)
+            _mm_prefetch((const char *)b + PREFETCH + at, _MM_HINT_T0);
+        /* the scales as int16, both 128-bit lanes alike (Q6_K: two vectors of 8), and each
+         * chunk's pshufb of them; the mins (Q6_K: offsets) as float32, in vectors */
+        __m256i all[2];
+        __m256 m[2];
+        float dd;
+        if (type == Q6_K) {
+            dd = half_load(b + 208);
+            const __m256i s16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(b + 192)));
+            all[0] = _mm256_permute2x128_si256(s16, s16, 0x00);
+            all[1] = _mm256_permute2x128_si256(s16, s16, 0x11);
+            const __m256 offset = _mm256_set1_ps(-32.0f * dd);
+            m[0] = _mm256_mul_ps(offset, _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(
+                _mm256_castsi256_si128(s16))));
+            m[1] = _mm256_mul_ps(offset, _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(
+                _mm256_extracti128_si256(s16, 1))));
+        } else {
+            uint32_t u[4];
+            k_scales_mins(b, u);
+            dd = half_load(b);
+            const __m128i bytes = _mm_loadu_si128((const __m128i *)u);
+            const __m128i s8 = _mm_cvtepu8_epi16(bytes);
+            all[0] = all[1] = _mm256_set_m128i(s8, s8);
+            m[0] = _mm256_mul_ps(_mm256_set1_ps(-half_load(b + 2)), _mm256_cvtepi32_ps(
+                _mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8))));
+        }
+        __m256i sum[RT];
+        for (int t = 0; t < RT; t++) sum[t] = _mm256_setzero_si256();
+        #pragma GCC unroll 8
+        for (int j = 0; j < 8; j++) {
+            const __m256i w = k_chunk(b, type, j);
+            /* int16 lane pairs: Q6_K's half-chunks 2j and 2j + 1, else chunk j's, twice */
+            const int lo = type == Q6_K ? 2 * (2 * j % 8) : 2 * j, hi = type == Q6_K ? lo + 2 : lo;
+            const __m256i pick = _mm256_set_epi8(
+                hi + 1, hi, hi + 1, hi, hi + 1, hi, hi + 1, hi,
+                hi + 1, hi, hi + 1, hi, hi + 1, hi, hi + 1, hi,
+                lo + 1, lo, lo + 1, lo, lo + 1, lo, lo + 1, lo,
+                lo + 1, lo, lo + 1, lo, lo + 1, lo, lo + 1, lo);
+            const __m256i scales = _mm256_shuffle_epi8(all[type == Q6_K && j >= 4], pick);
+            #pragma GCC unroll 4
+            for (int t = 0; t < rt; t++) {
+                const __m256i p = _mm256_load_si256(
+                    (const __m256i *)(a->p8 + (int64_t)t * k + 256 * sb + 32 * j));
+                sum[t] = _mm256_add_epi32(sum[t], _mm256_madd_epi16(
+                    _mm256_maddubs_epi16(w, p), scales));
+            }
+        }
+        for (int t = 0; t < rt; t++) {
+            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[t]), _mm256_set1_ps(
+                dd * a->s[(int64_t)t * chunks + 8 * sb]), acc[t]);
+            /* the mins' (Q6_K: offsets') share, as pass's */
+            if (type == Q6_K) {
+                const float *sp = a->sp16 + (int64_t)t * 2 * chunks + 16 * sb;
+                acc[t] = _mm256_fmadd_ps(m[0], _mm256_loadu_ps(sp), acc[t]);
+                acc[t] = _mm256_fmadd_ps(m[1], _mm256_loadu_ps(sp + 8), acc[t]);
+            } else {
+                acc[t] = _mm256_fmadd_ps(m[0], _mm256_loadu_ps(
+                    a->sp + (int64_t)t * chunks + 8 * sb), acc[t]);
+            }
+        }
+    }
+    for (int t = 0; t < rt; t++) out[t] = hsum(acc[t]);
 }
 
 /* A row on activations of a scale a chunk, into acc[t]: each chunk's int32 lanes become float32
@@ -353,6 +438,20 @@ static void pass_rows(const int8_t *q, const float *d, const float *m, const uin
     }
 }
 
+#define STORED_TYPE(RTC) \
+    switch (type) { \
+    case Q4_K: pass_stored(row, Q4_K, chunks, k, a, RTC, out); break; \
+    case Q5_K: pass_stored(row, Q5_K, chunks, k, a, RTC, out); break; \
+    default: pass_stored(row, Q6_K, chunks, k, a, RTC, out); break; \
+    }
+
+/* pass_stored, with the type and row count constants. */
+static void stored_rows(const uint8_t *row, int type, int chunks, int k, const Acts *a,
+                        int rows, float *out) {
+    if (rows == 4) { STORED_TYPE(4) } else if (rows == 3) { STORED_TYPE(3) }
+    else if (rows == 2) { STORED_TYPE(2) } else { STORED_TYPE(1) }
+}
+
 /* The unpacking, with the type a constant. */
 static void unpack_rows(const uint8_t *w, int64_t row_bytes, int type, int chunks, int o0,
                         int count, int8_t *q, float *d, float *m, uint32_t *sc, float *dsb) {
@@ -382,6 +481,22 @@ static int quant_linear_int(const void *x, int64_t x_stride, int bf16, const uin
     Acts a;
     if (acts_of(&a, x, x_stride, rows, k, levels, type) != 0) return -2;
     int failed = 0;
+    if (a.p8 != NULL && is_k_quant(type) && rows <= RT) {
+        #pragma omp parallel num_threads(threads)
+        {
+            int n0, n1;
+            thread_share(n, &n0, &n1);
+            for (int o = n0; o < n1; o++) {
+                float out[RT];
+                stored_rows(w + (int64_t)o * row_bytes, type, chunks, k, &a, rows, out);
+                const float b = bias != NULL ? ((const float *)bias)[o] : 0.0f;
+                for (int t = 0; t < rows; t++)
+                    ((float *)y)[(int64_t)t * y_stride + o] = out[t] + b;
+            }
+        }
+        acts_free(&a);
+        return 0;
+    }
     #pragma omp parallel num_threads(threads)
     {
         int8_t *q = malloc((size_t)OB * k);
