@@ -107,10 +107,11 @@ class EngineConfig:
         True, "run on fewer threads while other processes keep cores busy, at most --threads "
               "(Linux; docs/results/shared-cpu)")
     activation_quant: str = setting(
-        "none", "a decode's few rows of the GGUF block linears multiply integer activations, "
-                "each run of 32 inputs scaled to int16 (15 bits) or int8 (llama.cpp's Q8_0 "
-                "numerics); VNNI kernels at the avx512/amx tiers, plain C below (slower); "
-                "agreement and speed: docs/results/activation-quant",
+        "none", "the GGUF block linears multiply integer activations: each run of 32 inputs "
+                "scaled to int16 (15 bits), or int8 with llama.cpp's numerics (Q8_0; Q8_K, a "
+                "scale per 256, on the K-quants); a decode's few rows at the avx512/amx tiers "
+                "(VNNI), at the avx2 tier int8 every K-quant call; agreement and speed: "
+                "docs/results/activation-quant",
         choices=ACTIVATION_QUANTS)
     batch_invariant: bool = setting(
         False, "each request's tokens and logprobs the same whatever else is in its batch, "

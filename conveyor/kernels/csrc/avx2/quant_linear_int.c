@@ -2,17 +2,23 @@
  * generic/quant_linear_int.c (its comment has the formula), without VNNI.
  *
  * A thread takes OB weight rows at a time and unpacks each once, with vector shifts and masks,
- * into signed bytes (the type's offset taken off: Q4_0's 8, Q6_K's 32) and a float32 factor a
- * half-chunk (d, or Q6_K's d per 16) and a min a chunk; then every group of RT activation rows
- * passes those OB rows while both stay in cache.
+ * into bytes (the type's offset taken off: Q4_0's 8; Q6_K's 0 .. 63 as stored, its offset a
+ * min) and its factors; then every group of RT activation rows passes those OB rows while
+ * both stay in cache. A call of at most RT rows on the K-quants has nothing to share an
+ * unpacking with: it reads the blocks as stored (pass_stored), prefetched ahead.
  *
  * int8 activations: pmaddubsw multiplies 32 unsigned bytes by 32 signed ones, two products a
- * 16-bit lane (within it: |q| <= 128, |p| <= 127), pmaddwd by ones sums them to 8 int32 lanes of
- * 4 values each. The weights are the unsigned side: as they are where the type stores no
- * negative one, else their magnitudes, the activations taking the weights' signs (psignb), as
- * llama.cpp's AVX2 dot products do. int16 activations (15 bits): the weights widened to 16
- * bits, pmaddwd, 16 products an instruction. Each chunk's int32 lanes become float32 and take
- * d * s into a float32 accumulator, summed across lanes once per output value.
+ * 16-bit lane (within it: |q| <= 128, |p| <= 127). The weights are the unsigned side: as they
+ * are where the type stores no negative one, else their magnitudes, the activations taking the
+ * weights' signs (psignb), as llama.cpp's AVX2 dot products do.
+ * - The K-quants (Q8_K: a scale per 256 activations): pmaddwd multiplies the pairs by the
+ *   sub-block's integer scale, and the int32 lanes add up through the super-block; one
+ *   conversion and FMA by d * s per 256 weights (llama.cpp's q4_K x q8_K). The mins' (Q6_K:
+ *   offsets') share is m . (s * sum(p)), a float FMA per 8 (Q6_K: 16) chunks' worth.
+ * - The other types (Q8_0: a scale per 32): pmaddwd by ones; each chunk's int32 lanes become
+ *   float32 and take d * s.
+ * int16 activations (15 bits): the weights widened to 16 bits, pmaddwd, 16 products an
+ * instruction, a chunk's lanes to float32 as for Q8_0. Lanes are summed once per output value.
  */
 #include <immintrin.h>
 #include <stdint.h>
