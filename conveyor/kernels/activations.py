@@ -6,9 +6,10 @@ Each row of activations is cut into runs; a run is scaled symmetrically to its l
 magnitude and rounded to the nearest integer, halves to even (as SIMD conversions round). int8
 is llama.cpp's numerics: runs of 32 (Q8_0, scale max|x| / 127, here kept in float32) on most
 block types, runs of 256 (Q8_K) on the K-quants (``kernel_mode``; ``int8-superblock`` applies
-that to every linear whose width is a multiple of 256, to measure it). int16 takes runs of 32 to 16383 (15 bits, so that a VNNI
-kernel takes each value as two signed bytes: 128 * (p >> 7) + (p & 127)). ``int8-token`` scales
-a whole row at once (one scale per token), the coarser scheme llama.cpp does not use.
+that to every linear whose width is a multiple of 256, to measure it). int16 takes runs of 32
+to 16383 (15 bits, so that a VNNI kernel takes each value as two signed bytes:
+128 * (p >> 7) + (p & 127)). ``int8-token`` scales a whole row at once (one scale per token),
+the coarser scheme llama.cpp does not use.
 """
 
 from __future__ import annotations

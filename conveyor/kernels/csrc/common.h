@@ -140,13 +140,18 @@ static inline float kv_scale(const void *head, int dim) {
     return s;
 }
 
+/* The largest magnitude of `count` values of x (float32 or bfloat16) from element `at`. */
+static inline float magnitude_of(const void *x, int64_t at, int bf16, int count) {
+    float top = 0.0f;
+    for (int e = 0; e < count; e++) top = fmaxf(top, fabsf(elem_load(x, at + e, bf16)));
+    return top;
+}
+
 /* x (dim values of the model dtype) as an int8 head row: scale = max |x| / 127 (as a product
  * with 1/127 in float32, which fast math leaves as it is), each value rounded to the nearest
  * step (an all-zero head: scale 0, zeros). */
 static inline void kv_quantize(const void *x, int64_t at, int dim, int bf16, void *row) {
-    float top = 0.0f;
-    for (int i = 0; i < dim; i++) top = fmaxf(top, fabsf(elem_load(x, at + i, bf16)));
-    const float scale = top * (1.0f / 127.0f);
+    const float scale = magnitude_of(x, at, bf16, dim) * (1.0f / 127.0f);
     int8_t *q = row;
     for (int i = 0; i < dim; i++)
         q[i] = scale > 0.0f ? (int8_t)nearbyintf(elem_load(x, at + i, bf16) / scale) : 0;

@@ -3,7 +3,6 @@
 #ifndef CONVEYOR_INT_ACTIVATIONS_H
 #define CONVEYOR_INT_ACTIVATIONS_H
 
-#include <math.h>
 #include <stdint.h>
 
 #include "blocks.h"
@@ -20,13 +19,6 @@ static inline int int_linear_takes(int type, int k, int rows, int levels) {
  * scale per chunk of 32 either way (a run of 256's eight chunks share theirs). */
 static inline int activation_run(int type, int levels) {
     return levels == 127 && is_k_quant(type) ? 256 : 32;
-}
-
-/* The largest magnitude of `count` values of x (float32 or bfloat16) from element `at`. */
-static inline float magnitude_of(const void *x, int64_t at, int bf16, int count) {
-    float top = 0.0f;
-    for (int e = 0; e < count; e++) top = fmaxf(top, fabsf(elem_load(x, at + e, bf16)));
-    return top;
 }
 
 /* The entries of a tier's quant_linear_int.c, over its

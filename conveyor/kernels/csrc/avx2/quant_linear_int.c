@@ -35,8 +35,8 @@
 
 /* x's rows as integers, as generic/quant_linear_int.c's int_rows quantizes them (the same
  * roundings, so not under fast math): p8 (int8) or p16 (int16) [rows][k], s (each chunk's
- * run's scale) and sp (s * sum(p)) [rows][k / 32], and for the K-quants sp16, s * sum(p) a
- * half-chunk [rows][k / 16] (what Q6_K's offset multiplies). */
+ * run's scale) and sp (s * sum(p)) [rows][k / 32], and for Q6_K sp16, s * sum(p) a half-chunk
+ * [rows][k / 16] (what its offsets multiply). */
 typedef struct {
     int8_t *p8;
     int16_t *p16;
@@ -66,9 +66,9 @@ static int acts_of(Acts *a, const void *x, int64_t x_stride, int rows, int k, in
     else a->p8 = aligned_alloc(32, (size_t)rows * k);
     a->s = malloc((size_t)rows * chunks * sizeof(float));
     a->sp = malloc((size_t)rows * chunks * sizeof(float));
-    if (is_k_quant(type)) a->sp16 = malloc((size_t)rows * chunks * 2 * sizeof(float));
+    if (type == Q6_K) a->sp16 = malloc((size_t)rows * chunks * 2 * sizeof(float));
     if ((a->p8 == NULL && a->p16 == NULL) || a->s == NULL || a->sp == NULL
-        || (is_k_quant(type) && a->sp16 == NULL)) {
+        || (type == Q6_K && a->sp16 == NULL)) {
         acts_free(a);
         return -2;
     }
@@ -268,8 +268,6 @@ static ALWAYS_INLINE void pass_superblocks(const int8_t *q, const uint32_t *sc, 
  * out[t] its dots (no bias). */
 static ALWAYS_INLINE void pass_stored(const uint8_t *row, int type, int chunks, int k,
                                      const Acts *a, int rt, float *out) {
-    const __m256i halves = _mm256_set_epi8(3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2,
-                                           1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0);
     __m256 acc[RT];
     for (int t = 0; t < RT; t++) acc[t] = _mm256_setzero_ps();
     for (int sb = 0; sb < chunks / 8; sb++) {

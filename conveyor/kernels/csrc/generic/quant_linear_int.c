@@ -3,8 +3,8 @@
  * Each row of x is cut into runs of 32 values (a chunk of the weights' row), or of 256 (int8
  * on the K-quants: activation_run), each run scaled to its largest magnitude and rounded to the
  * nearest integer, halves to even: int16 (levels 16383: 15 bits, so that the VNNI kernels take
- * each value as two signed bytes) or int8 (127: llama.cpp's Q8_0, or Q8_K), x ~ s * p. A chunk of weights is w = d * q + m
- * (blocks.h; Q6_K has a d per 16), so its share of y is
+ * each value as two signed bytes) or int8 (127: llama.cpp's Q8_0, or Q8_K), x ~ s * p. A
+ * chunk of weights is w = d * q + m (blocks.h; Q6_K has a d per 16), so its share of y is
  *
  *     (d * s) * (q . p) + (m * s) * sum(p)
  *
