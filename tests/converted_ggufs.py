@@ -333,6 +333,25 @@ FAMILIES: dict[str, Family] = {
                         rope_parameters={"rope_type": "default", "rope_theta": 5000000.0}),
         _copy_npm("llama3_2", "HuggingFaceTB-SmolLM3-3B", _smollm3_tokens), "<|im_end|>",
         (), "SmolLM3-3B"),
+    # the mixtures of experts (tiny_models' 8 experts, 2 a token)
+    "mixtral": Family(
+        "mixtral", dict(vocab_size=32768, bos_token_id=1, eos_token_id=2,
+                        max_position_embeddings=32768,
+                        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}),
+        _mistral_files, "</s>", (), "Mixtral-8x7B-Instruct-v0.1"),
+    "qwen2_moe": Family(
+        "qwen2_moe", dict(vocab_size=151936, bos_token_id=151643, eos_token_id=151645,
+                          max_position_embeddings=8192),
+        _copy_npm("qwen2_5"), "<|im_end|>", ("<|endoftext|>",), "Qwen1.5-MoE-A2.7B-Chat"),
+    "qwen3_moe": Family(
+        "qwen3_moe", dict(vocab_size=151936, bos_token_id=151643, eos_token_id=151645,
+                          max_position_embeddings=40960),
+        _copy_npm("qwen3"), "<|im_end|>", ("<|endoftext|>",), "Qwen3-30B-A3B"),
+    # OLMoE's network with Llama 3's tokenizer (no registry holds OLMoE's own)
+    "olmoe": Family(
+        "olmoe", dict(vocab_size=128256, bos_token_id=128000, eos_token_id=128009,
+                      pad_token_id=128001, max_position_embeddings=4096),
+        _copy_npm("llama3_2"), "<|eot_id|>", ("<|end_of_text|>",), "OLMoE-1B-7B-0125-Instruct"),
 }
 
 

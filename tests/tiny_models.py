@@ -46,6 +46,13 @@ _ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
     "gemma3": {"head_dim": 16, "query_pre_attn_scalar": 24, "sliding_window": 4096,
                "layer_types": ["sliding_attention", "full_attention"]},
     "smollm3": {"num_hidden_layers": 4, "pad_token_id": None},  # (its fourth without rope)
+    # 8 experts, 2 a token; Qwen's of their own width, Qwen2-MoE's shared expert wider
+    "mixtral": {"num_local_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 96},
+    "qwen2_moe": {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                  "shared_expert_intermediate_size": 96},
+    "qwen3_moe": {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                  "norm_topk_prob": True, "head_dim": 32},
+    "olmoe": {"num_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 96},
 }
 _CONFIG_CLASSES = {
     "llama": transformers.LlamaConfig,
@@ -56,6 +63,10 @@ _CONFIG_CLASSES = {
     "gemma2": transformers.Gemma2Config,
     "gemma3": transformers.Gemma3TextConfig,
     "smollm3": transformers.SmolLM3Config,
+    "mixtral": transformers.MixtralConfig,
+    "qwen2_moe": transformers.Qwen2MoeConfig,
+    "qwen3_moe": transformers.Qwen3MoeConfig,
+    "olmoe": transformers.OlmoeConfig,
 }
 
 LLAMA3_ROPE_SCALING = {

@@ -17,7 +17,8 @@ from conveyor.kernels.bindings import StackLayer
 from conveyor.kernels.blocks import DENSE_TYPES, QuantizedWeight
 from conveyor.kernels.library import CPUKernels
 from conveyor.model.gguf_file import matrices_by_type
-from conveyor.model.model import FUSED, Linear, RMSNorm, Transformer
+from conveyor.model.model import FeedForward, Linear, RMSNorm, Transformer, fused_parts
+from conveyor.model.moe import SparseMoE
 
 logger = logging.getLogger("conveyor")
 
@@ -26,6 +27,9 @@ KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
 # Batch invariance: the rows of a dense matmul's every call (a decode's one row pays for eight;
 # a dense weight is read whole at any row count)
 INVARIANT_ROWS = 8
+# The block linears read rows in chunks of 32 values (a block type's blocks hold whole chunks):
+# dense rows of another width run as dense weights.
+KERNEL_CHUNK = 32
 
 
 @torch.no_grad()
@@ -72,15 +76,15 @@ def _place_weights(model: Transformer, weights: dict[str, torch.Tensor],
     prepack = can_prepack(device, dtype)
     unread: list[tuple[str, int]] = []  # matrices in blocks the kernel does not read
 
-    def dense(name: str) -> torch.Tensor:
+    def dense(name: str, as_dtype: torch.dtype = dtype) -> torch.Tensor:
         w = weights[name] if name in weights else quantized[name].dequantize()
-        return w.to(dtype=dtype, device=device)
+        return w.to(dtype=as_dtype, device=device)
 
     def blocks(names: list[str]) -> tuple[QuantizedWeight, ...] | None:
         """The parts' blocks as the kernel reads them, or None (then they run dense)."""
         found = [quantized.get(name) for name in names]
         if kernel is not None and all(q is not None and q.ggml_type in kernel.types
-                                      for q in found):
+                                      and q.in_features % KERNEL_CHUNK == 0 for q in found):
             runs = tuple(kernel.in_format(q) for q in found)
             for q, run in zip(found, runs):
                 if run is not q and q.release is not None:  # a copy in the kernel's format
@@ -108,10 +112,14 @@ def _place_weights(model: Transformer, weights: dict[str, torch.Tensor],
     for i, layer in enumerate(model.layers):
         for local, module in layer.named_modules():
             if isinstance(module, Linear):
-                place(module, [f"layers.{i}.{part}" for part in FUSED.get(local, (local,))])
+                place(module, [f"layers.{i}.{part}" for part in fused_parts(local)])
             elif isinstance(module, RMSNorm):
                 module.weight = nn.Parameter(dense(f"layers.{i}.{local}.weight"),
                                              requires_grad=False)
+            elif isinstance(module, SparseMoE):  # (its router in float32, at any dtype)
+                module.router = nn.Parameter(
+                    dense(f"layers.{i}.{local}.router.weight", torch.float32),
+                    requires_grad=False)
     model.norm.weight = nn.Parameter(dense("norm.weight"), requires_grad=False)
     if model.output is not None:
         place(model.output, ["output"])
@@ -158,17 +166,20 @@ def _use_elementwise_kernels(model: Transformer, kernels: CPUKernels) -> None:
         for norm in layer.children():
             if isinstance(norm, RMSNorm):
                 norm.fused = kernels.add_rms_norm
-        if layer.feed_forward.act == "silu":
-            layer.feed_forward.gated_mul = kernels.gated_mul["silu"]
+        for feed_forward in layer.modules():  # (the dense one, or each expert)
+            if isinstance(feed_forward, FeedForward) and feed_forward.act == "silu":
+                feed_forward.gated_mul = kernels.gated_mul["silu"]
     model.norm.fused = kernels.add_rms_norm
 
 def _use_decode_stack(model: Transformer, kernels: CPUKernels,
                       kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
     """Run a step of a few decodes through all layers in one kernel call, when every layer
     is what that kernel computes: whole heads rotated, every linear in GGUF blocks, no output
-    bias (q/k norms, windows, Gemma's after-norms, GeGLU and soft cap it takes)."""
+    bias, a dense feed-forward (q/k norms, windows, Gemma's after-norms, GeGLU and soft cap it
+    takes)."""
     linears = [m for layer in model.layers for m in layer.modules() if isinstance(m, Linear)]
-    if (model.config.rotary_dim is not None or any(m.quantized is None for m in linears)
+    if (model.config.rotary_dim is not None or model.config.moe is not None
+            or model.config.qk_norm_whole or any(m.quantized is None for m in linears)
             or any(layer.attention.wo.bias is not None for layer in model.layers)
             or any(layer.attention.rope > 1 for layer in model.layers)):  # (it takes two)
         return

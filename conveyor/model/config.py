@@ -8,8 +8,11 @@ from typing import Any
 # phi3: the Llama network with q/k/v and gate/up stored fused (Phi-3, Phi-3.5, Phi-4-mini);
 # gemma2, gemma3 (text; transformers' model_type gemma3_text): conveyor.model.gemma
 # smollm3: the Llama network without rope in every fourth layer (``no_rope_layers``)
+# mixtral, qwen2_moe, qwen3_moe, olmoe: the Llama network with a mixture of experts for its
+# feed-forward (``MoE``, conveyor.model.moe)
+MOE_ARCHITECTURES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3",
-                           "smollm3")
+                           "smollm3", *MOE_ARCHITECTURES)
 GEMMA = ("gemma2", "gemma3")
 _MODEL_TYPES = {"gemma3_text": "gemma3"}  # transformers' model_type, where it differs
 
@@ -35,10 +38,14 @@ METADATA_KEYS = frozenset({
     "exponential_decay_length_penalty", "suppress_tokens", "begin_suppress_tokens",
     "cache_implementation",  # (Gemma's "hybrid": how transformers caches the windowed layers)
     "_sliding_window_pattern", "sliding_window_pattern",  # (spelled out by layer_types)
+    # the experts' training losses and noise (a router's output at inference is without them)
+    "output_router_logits", "router_aux_loss_coef", "router_jitter_noise",
 })
 # Keys Conveyor runs at one value only (the network's without them): refused at any other.
 _NEUTRAL = {"mlp_bias": (False,), "use_mrope": (False,),
-            "quantization_config": (None,), "use_bidirectional_attention": (False, None)}
+            "quantization_config": (None,), "use_bidirectional_attention": (False, None),
+            # every layer sparse (the families' published models): no dense layers between
+            "decoder_sparse_step": (1,), "mlp_only_layers": ([],), "clip_qkv": (None,)}
 # The feed-forward's activations: silu (SwiGLU) and Gemma's tanh-approximated gelu (GeGLU).
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 # Keys ``from_hf_config`` reads.
@@ -50,7 +57,9 @@ _READ_KEYS = frozenset({
     "max_window_layers", "layer_types", "original_max_position_embeddings", "hidden_act",
     "hidden_activation", "query_pre_attn_scalar", "attn_logit_softcapping",
     "final_logit_softcapping", "rope_local_base_freq", "partial_rotary_factor",
-    "no_rope_layers", "no_rope_layer_interval"})
+    "no_rope_layers", "no_rope_layer_interval",
+    "num_local_experts", "num_experts", "num_experts_per_tok", "moe_intermediate_size",
+    "shared_expert_intermediate_size", "norm_topk_prob", "qkv_bias"})
 
 # Fields each supported rope scaling type needs, spelled as in Hugging Face configs.
 _ROPE_SCALING_FIELDS = {
@@ -64,6 +73,22 @@ _ROPE_SCALING_FIELDS = {
 # Architectures whose transformers network rotates only part of each head when its config
 # says so (partial_rotary_factor): refused elsewhere.
 _PARTIAL_ROTARY = ("phi3",)
+# Architectures whose q/k/v have biases and whose output projection has none
+QKV_BIAS = ("qwen2", "qwen2_moe")
+
+
+@dataclass(frozen=True)
+class MoE:
+    """A mixture-of-experts feed-forward (every layer's): a float32 router's softmax picks each
+    token's ``used`` experts, whose SwiGLU outputs are summed weighted by those probabilities."""
+
+    experts: int
+    used: int  # the experts a token runs (top-k)
+    intermediate: int  # each expert's features
+    norm_topk: bool  # the chosen experts' weights renormalised to sum to 1
+    # Qwen2-MoE's shared expert's features (0: none): every token runs it, its output scaled
+    # by sigmoid(x . w) (``feed_forward.shared_gate``)
+    shared_intermediate: int = 0
 
 
 @dataclass(frozen=True)
@@ -103,6 +128,9 @@ class ModelConfig:
     # a sentence-transformers folder's, a GGUF's pooling_type), None where it does not say
     pooling_type: str | None = None
     no_rope_layers: tuple[int, ...] = ()  # the layers whose q and k rope leaves as they are
+    moe: MoE | None = None  # the feed-forward's experts, where it has them
+    # OLMoE's q/k norms: over the whole projection (all heads at once), not each head
+    qk_norm_whole: bool = False
 
     @property
     def rotary(self) -> int:
@@ -166,10 +194,12 @@ class ModelConfig:
             rope_scaling=rope_scaling,
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=arch == "qwen2" or bool(cfg.get("attention_bias", False)),
+            attention_bias=(arch == "qwen2" or arch == "qwen2_moe" and cfg.get("qkv_bias", True)
+                            or bool(cfg.get("attention_bias", False))),
             # (Qwen2's q/k/v have biases, its output none; elsewhere all four have or none)
-            output_bias=arch != "qwen2" and bool(cfg.get("attention_bias", False)),
-            qk_norm=arch in ("qwen3", "gemma3"),
+            output_bias=arch not in QKV_BIAS and bool(cfg.get("attention_bias", False)),
+            qk_norm=arch in ("qwen3", "gemma3", "qwen3_moe", "olmoe"),
+            qk_norm_whole=arch == "olmoe",
             torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
             sliding_window=window,
             layer_types=layer_types,
@@ -180,6 +210,7 @@ class ModelConfig:
             final_softcap=_cap(cfg, "final_logit_softcapping", arch),
             local_rope_theta=local_theta,
             no_rope_layers=_no_rope_layers(cfg, arch),
+            moe=_moe(cfg, arch),
         )
 
 
@@ -196,6 +227,36 @@ def _refuse_unread(cfg: dict[str, Any], arch: str) -> None:
                              f"(only {' or '.join(map(repr, _NEUTRAL[key]))})")
         raise ValueError(f"config.json key {key!r} (= {value!r:.80}) is not implemented for "
                          f"{arch}: it may change the network's output")
+
+
+def _moe(cfg: dict[str, Any], arch: str) -> MoE | None:
+    """The experts as transformers builds them: Mixtral's renormalise the chosen experts'
+    weights always, the others where ``norm_topk_prob`` says; Mixtral's and OLMoE's experts
+    have ``intermediate_size`` features, Qwen's ``moe_intermediate_size``."""
+    if cfg.get("qkv_bias") is not None and arch != "qwen2_moe":  # (Qwen2-MoE's q/k/v biases)
+        raise ValueError(f"config.json qkv_bias is not implemented for {arch}")
+    if arch not in MOE_ARCHITECTURES:
+        keys = sorted(k for k in ("num_local_experts", "num_experts", "num_experts_per_tok",
+                                  "moe_intermediate_size", "shared_expert_intermediate_size",
+                                  "norm_topk_prob") if cfg.get(k) is not None)
+        if keys:
+            raise ValueError(f"config.json {', '.join(keys)}: experts are not implemented "
+                             f"for {arch}")
+        return None
+    experts = cfg.get("num_local_experts") or cfg.get("num_experts")
+    if not experts or not cfg.get("num_experts_per_tok"):
+        raise ValueError(f"config.json of {arch} needs num_experts (or num_local_experts) and "
+                         f"num_experts_per_tok")
+    qwen = arch in ("qwen2_moe", "qwen3_moe")
+    shared = int(cfg.get("shared_expert_intermediate_size") or 0)
+    if shared and arch != "qwen2_moe":
+        raise ValueError(f"config.json shared_expert_intermediate_size is not implemented for "
+                         f"{arch}")
+    return MoE(experts=int(experts), used=int(cfg["num_experts_per_tok"]),
+               intermediate=int(cfg["moe_intermediate_size"] if qwen
+                                else cfg["intermediate_size"]),
+               norm_topk=arch == "mixtral" or bool(cfg.get("norm_topk_prob", False)),
+               shared_intermediate=shared)
 
 
 def _no_rope_layers(cfg: dict[str, Any], arch: str) -> tuple[int, ...]:
@@ -260,7 +321,7 @@ def _sliding_window(cfg: dict[str, Any], arch: str
     window = cfg.get("sliding_window")
     if window is None:
         return None, None
-    if layer_types is None and arch in ("qwen2", "qwen3"):
+    if layer_types is None and arch in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe"):
         first = cfg.get("max_window_layers", 0) if cfg.get("use_sliding_window") else n
         layer_types = ["sliding_attention" if i >= first else "full_attention"
                        for i in range(n)]

@@ -11,12 +11,16 @@ from typing import Any
 import gguf
 import numpy as np
 
-from conveyor.model.config import GEMMA, ModelConfig
+from conveyor.model.config import GEMMA, ModelConfig, MoE
 from conveyor.model.gguf_reader import GGUFFile
 
 _Q = gguf.GGMLQuantizationType
 
-SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "smollm3")
+SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "smollm3",
+                               "qwen2moe", "qwen3moe", "olmoe")
+# Whether llama.cpp renormalises the chosen experts' weights (a constant per architecture
+# there; ``expert_weights_norm`` where a file says): Mixtral's (llama) and Qwen3-MoE's do
+_NORM_TOPK = {"llama": True, "qwen3moe": True, "qwen2moe": False, "olmoe": False}
 # llama.cpp's SmolLM3: no rope in every fourth layer (a constant there, not metadata)
 _NO_ROPE_EVERY = {"smollm3": 4}
 
@@ -114,7 +118,8 @@ def gguf_config(reader: GGUFFile) -> ModelConfig:
         max_position_embeddings=metadata_number(reader, f"{arch}.context_length"),
         tie_word_embeddings="output.weight" not in tensors,
         attention_bias=arch == "qwen2" or "blk.0.attn_q.bias" in tensors,
-        qk_norm=arch in ("qwen3", "gemma3"),
+        qk_norm=arch in ("qwen3", "gemma3", "qwen3moe", "olmoe"),
+        qk_norm_whole=arch == "olmoe",
         torch_dtype=None,
         sliding_window=window,
         layer_types=layer_types,
@@ -130,12 +135,38 @@ def gguf_config(reader: GGUFFile) -> ModelConfig:
         pooling_type=_gguf_pooling(reader, arch),
         no_rope_layers=tuple(i for i in range(num_layers)
                              if arch in _NO_ROPE_EVERY and (i + 1) % _NO_ROPE_EVERY[arch] == 0),
+        moe=_moe(reader, arch),
     )
     if not gemma and (config.attn_softcap or config.final_softcap):
         raise ValueError(f"GGUF soft-capping is not implemented for {arch}")
     _check_counts(config, tensors)
     _refuse_unread(reader, config)
     return config
+
+
+def _moe(reader: GGUFFile, arch: str) -> MoE | None:
+    """The experts, from ``expert_count`` on: the experts' width is ``feed_forward_length``
+    where the file has no ``expert_feed_forward_length`` (Mixtral's, as llama.cpp reads it)."""
+    experts = metadata_number(reader, f"{arch}.expert_count", 0, zero=True)
+    if not experts:
+        if arch in ("qwen2moe", "qwen3moe", "olmoe"):
+            raise ValueError(f"GGUF file has no {arch}.expert_count")
+        return None
+    if arch not in _NORM_TOPK:
+        raise ValueError(f"GGUF experts ({arch}.expert_count = {experts}) are not implemented "
+                         f"for {arch}")
+    norm = metadata_field(reader, f"{arch}.expert_weights_norm", _NORM_TOPK[arch])
+    used = metadata_number(reader, f"{arch}.expert_used_count", None)
+    if used is None or used > experts:
+        raise ValueError(f"GGUF metadata {arch}.expert_count = {experts} needs "
+                         f"{arch}.expert_used_count, at most that many (found {used})")
+    return MoE(experts=experts, used=used,
+               intermediate=metadata_number(
+                   reader, f"{arch}.expert_feed_forward_length",
+                   metadata_number(reader, f"{arch}.feed_forward_length")),
+               norm_topk=bool(norm),
+               shared_intermediate=metadata_number(
+                   reader, f"{arch}.expert_shared_feed_forward_length", 0, zero=True))
 
 
 # LongRoPE's factors, which llama.cpp's converter stores as tensors (F32, one per rotated pair)
@@ -198,6 +229,8 @@ _READ = frozenset({"context_length", "embedding_length", "block_count", "feed_fo
                    "vocab_size", "attn_logit_softcapping", "final_logit_softcapping",
                    "pooling_type"})
 _READ_BY_ARCH = {"gemma3": {"rope.freq_base_swa"}}
+_READ_MOE = frozenset({"expert_count", "expert_used_count", "expert_feed_forward_length",
+                       "expert_shared_feed_forward_length", "expert_weights_norm"})
 # llama.cpp's enum llama_pooling_type (0: none, a vector per token, is no pooling to follow)
 _GGUF_POOLING = {0: None, 1: "mean", 2: "cls", 3: "last"}
 
@@ -223,6 +256,7 @@ def _refuse_unread(reader: GGUFFile, config: ModelConfig) -> None:
         name = key[len(arch) + 1:]
         rope_type = (config.rope_scaling or {}).get("rope_type")
         if (name in _READ or name in _READ_BY_ARCH.get(arch, ())
+                or name in _READ_MOE and config.moe is not None
                 or name.startswith(_UNUSED_WITHOUT_SCALING) and config.rope_scaling is None
                 or name == "rope.scaling.factor"
                 or name == "attention.sliding_window" and arch in _WINDOWED

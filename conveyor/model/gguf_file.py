@@ -7,6 +7,7 @@ import logging
 import math
 import re
 from collections.abc import Iterable
+from dataclasses import dataclass, replace
 from functools import partial
 
 import gguf
@@ -16,7 +17,7 @@ import torch
 from conveyor.kernels.blocks import BLOCK_TYPES, QuantizedWeight
 from conveyor.model.config import ModelConfig
 from conveyor.model.gguf_config import BLOCK_RE, ROPE_FACTORS, ROPE_FREQS
-from conveyor.model.gguf_reader import GGUFFile
+from conveyor.model.gguf_reader import GGUFFile, TensorInfo
 
 logger = logging.getLogger("conveyor")
 
@@ -46,7 +47,31 @@ _BLOCK_NAMES = {
     "ffn_down": "feed_forward.w2",
     "post_attention_norm": "post_attention_norm",  # (Gemma's four norms a layer)
     "post_ffw_norm": "post_ffn_norm",
+    # a mixture of experts' router, and Qwen2-MoE's shared expert and its gate
+    "ffn_gate_inp": "feed_forward.router",
+    "ffn_gate_shexp": "feed_forward.shared_expert.w1",
+    "ffn_up_shexp": "feed_forward.shared_expert.w3",
+    "ffn_down_shexp": "feed_forward.shared_expert.w2",
+    "ffn_gate_inp_shexp": "feed_forward.shared_gate",
 }
+# The experts' matrices, one 3-D tensor a kind: [experts, rows, row's values]
+_EXPERT_NAMES = {"ffn_gate_exps": "w1", "ffn_up_exps": "w3", "ffn_down_exps": "w2"}
+
+
+@dataclass(frozen=True)
+class _Stacked:
+    """A 3-D tensor of the experts' matrices: each expert's name, in order."""
+
+    names: tuple[str, ...]
+
+    def parts(self, t: TensorInfo) -> list[TensorInfo]:
+        """Each expert's matrix as a 2-D tensor of the file (a run of its bytes)."""
+        if len(t.shape) != 3 or t.shape[0] != len(self.names):
+            raise ValueError(f"{t.name} has shape {t.shape}, not {len(self.names)} experts' "
+                             f"matrices")
+        size = t.nbytes // len(self.names)
+        return [replace(t, name=name, shape=t.shape[1:], offset=t.offset + e * size, nbytes=size)
+                for e, name in enumerate(self.names)]
 # The tensor types gguf-py dequantizes: F32, F16 and the block types in its registry (not the
 # integer types, F64, Q8_1 or Q8_K).
 _READABLE_TYPES = frozenset({gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16,
@@ -78,7 +103,7 @@ def check_gguf_tensors(reader: GGUFFile, config: ModelConfig) -> dict[str, tuple
     one before it is not the size its shape and type say (a wrong type or block count)."""
     arch = config.architecture
     settings = _settings(arch)
-    names = {t.name: _rename(t.name, arch) for t in reader.tensors if t.name not in settings}
+    names = {t.name: _rename(t.name, config) for t in reader.tensors if t.name not in settings}
     unknown = [gguf_name for gguf_name, name in names.items() if name is None]
     if unknown:
         raise ValueError(f"unsupported GGUF tensors: {', '.join(unknown[:5])}")
@@ -104,7 +129,9 @@ def check_gguf_tensors(reader: GGUFFile, config: ModelConfig) -> dict[str, tuple
         name = names.get(t.name)
         if name is None:  # (a setting's tensor)
             continue
-        if isinstance(name, tuple):  # a fused matrix: its parts' shapes, if its rows add up
+        if isinstance(name, _Stacked):  # the experts' matrices
+            shapes |= {part.name: part.shape for part in name.parts(t)}
+        elif isinstance(name, tuple):  # a fused matrix: its parts' shapes, if its rows add up
             rows = config.fused_rows(len(name))
             if len(shape) != 2 or shape[0] != sum(rows):
                 raise ValueError(f"{t.name} has shape {shape}, not {sum(rows)} rows of its "
@@ -149,10 +176,31 @@ def gguf_tensors(reader: GGUFFile, config: ModelConfig
     weights: dict[str, torch.Tensor] = {}
     quantized: dict[str, QuantizedWeight] = {}
     dense: list[tuple[str, int]] = []
+
+    def matrix(t: TensorInfo, name: str) -> None:
+        """A 2-D tensor of a type the kernels read, as stored (or as ``_kernel_blocks`` has it)."""
+        blocks = reader.tensor_bytes(t).reshape(t.shape[0], -1)
+        moved = _unpermute_rows(blocks, name, config)
+        kind, moved = _kernel_blocks(int(t.ggml_type), moved)
+        if moved is not blocks:
+            quantized[name] = QuantizedWeight(kind, torch.from_numpy(np.ascontiguousarray(moved)))
+            reader.release(t)
+        else:
+            quantized[name] = QuantizedWeight(kind, torch.from_numpy(blocks),
+                                              release=partial(reader.release, t))
+
+    def tensor(t: TensorInfo, name: str) -> None:
+        """Any other tensor, dequantized to float32 (a matrix of it runs dense)."""
+        if len(t.shape) == 2:
+            dense.append((name, int(t.ggml_type)))
+        w = gguf.quants.dequantize(reader.tensor_bytes(t), t.ggml_type).reshape(t.shape)
+        weights[name] = torch.from_numpy(np.array(_unpermute_rows(w, name, config),
+                                                  dtype=np.float32))
+
     for t in reader.tensors:
         if t.name in _settings(config.architecture):
             continue  # (the config's)
-        name, kind = _rename(t.name, config.architecture), int(t.ggml_type)
+        name, kind = _rename(t.name, config), int(t.ggml_type)
         if isinstance(name, tuple):  # fused: its parts as runs of its rows (no release: the
             # parts share the tensor's pages)
             rows = np.cumsum([0, *config.fused_rows(len(name))])
@@ -166,22 +214,12 @@ def gguf_tensors(reader: GGUFFile, config: ModelConfig
                     reader.tensor_bytes(t), t.ggml_type).reshape(t.shape), dtype=np.float32))
                 weights |= {part: w[a:b] for part, a, b in zip(name, rows, rows[1:])}
             continue
-        if len(t.shape) == 2 and kind in BLOCK_TYPES | {int(_Q.Q5_0)}:
-            blocks = reader.tensor_bytes(t).reshape(t.shape[0], -1)
-            moved = _unpermute_rows(blocks, name, config)
-            kind, moved = _kernel_blocks(kind, moved)
-            if moved is not blocks:
-                quantized[name] = QuantizedWeight(kind, torch.from_numpy(np.ascontiguousarray(moved)))
-                reader.release(t)
+        for part, part_name in (zip(name.parts(t), name.names) if isinstance(name, _Stacked)
+                                else [(t, name)]):
+            if len(part.shape) == 2 and kind in BLOCK_TYPES | {int(_Q.Q5_0)}:
+                matrix(part, part_name)
             else:
-                quantized[name] = QuantizedWeight(kind, torch.from_numpy(blocks),
-                                                  release=partial(reader.release, t))
-            continue
-        if len(t.shape) == 2:
-            dense.append((name, kind))
-        w = gguf.quants.dequantize(reader.tensor_bytes(t), t.ggml_type).reshape(t.shape)
-        weights[name] = torch.from_numpy(np.array(_unpermute_rows(w, name, config),
-                                                  dtype=np.float32))
+                tensor(part, part_name)
     if dense:
         logger.info("GGUF matrices with no block kernel for their type run as dense weights: "
                     "%s", matrices_by_type(dense))
@@ -213,16 +251,21 @@ def matrices_by_type(matrices: Iterable[tuple[str, int]]) -> str:
                      for kind, group in sorted(names.items()))
 
 
-def _rename(gguf_name: str, arch: str) -> str | tuple[str, ...] | None:
-    """Our name of a GGUF tensor; a fused matrix's parts' names; None if unknown."""
+def _rename(gguf_name: str, config: ModelConfig) -> str | tuple[str, ...] | _Stacked | None:
+    """Our name of a GGUF tensor; a fused matrix's parts' names; the experts' names of a 3-D
+    tensor of their matrices; None if unknown."""
     if gguf_name in _TOP_LEVEL_NAMES:
         return _TOP_LEVEL_NAMES[gguf_name]
     m = BLOCK_RE.fullmatch(gguf_name)
     if m is None:
         return None
-    fused = _FUSED_BLOCK_NAMES.get(arch, {}).get(m.group(2))
+    layer, kind = f"layers.{m.group(1)}", m.group(2)
+    fused = _FUSED_BLOCK_NAMES.get(config.architecture, {}).get(kind)
     if fused is not None and m.group(3) == "weight":
-        return tuple(f"layers.{m.group(1)}.{part}.weight" for part in fused)
-    if m.group(2) not in _BLOCK_NAMES:
+        return tuple(f"{layer}.{part}.weight" for part in fused)
+    if kind in _EXPERT_NAMES and m.group(3) == "weight" and config.moe is not None:
+        return _Stacked(tuple(f"{layer}.feed_forward.experts.{e}.{_EXPERT_NAMES[kind]}.weight"
+                              for e in range(config.moe.experts)))
+    if kind not in _BLOCK_NAMES:
         return None
-    return f"layers.{m.group(1)}.{_BLOCK_NAMES[m.group(2)]}.{m.group(3)}"
+    return f"{layer}.{_BLOCK_NAMES[kind]}.{m.group(3)}"

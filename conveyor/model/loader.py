@@ -57,6 +57,20 @@ _HF_GEMMA_LAYER_NAMES = {
     "pre_feedforward_layernorm.weight": "ffn_norm.weight",
     "post_feedforward_layernorm.weight": "post_ffn_norm.weight",
 }
+# The mixtures of experts' feed-forward: the router, the shared expert and its gate (Qwen2-MoE);
+# each expert's matrices (``_HF_EXPERT_RE``) are Llama's feed-forward's under experts.{e}.
+_HF_MOE_LAYER_NAMES = {
+    "block_sparse_moe.gate.weight": "feed_forward.router.weight",  # (Mixtral's)
+    "mlp.gate.weight": "feed_forward.router.weight",
+    "mlp.shared_expert.gate_proj.weight": "feed_forward.shared_expert.w1.weight",
+    "mlp.shared_expert.up_proj.weight": "feed_forward.shared_expert.w3.weight",
+    "mlp.shared_expert.down_proj.weight": "feed_forward.shared_expert.w2.weight",
+    "mlp.shared_expert_gate.weight": "feed_forward.shared_gate.weight",
+}
+_HF_EXPERT_RE = re.compile(r"(?:mlp|block_sparse_moe)\.experts\.(\d+)\."
+                           r"(gate_proj|up_proj|down_proj|w1|w2|w3)\.weight")
+_HF_EXPERT_PARTS = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2",
+                    "w1": "w1", "w3": "w3", "w2": "w2"}
 _HF_LAYER_RE = re.compile(r"model\.layers\.(\d+)\.(.+)")
 
 
@@ -257,6 +271,8 @@ def _hf_weights(tensors: dict[str, torch.Tensor], config: ModelConfig) -> dict[s
     layer_names = _HF_LAYER_NAMES
     if config.architecture in GEMMA:
         layer_names = {**_HF_LAYER_NAMES, **_HF_GEMMA_LAYER_NAMES}
+    if config.moe is not None:
+        layer_names = {**_HF_LAYER_NAMES, **_HF_MOE_LAYER_NAMES}
     weights: dict[str, torch.Tensor] = {}
     unexpected: list[str] = []
     for hf_name, tensor in tensors.items():
@@ -274,6 +290,10 @@ def _hf_weights(tensors: dict[str, torch.Tensor], config: ModelConfig) -> dict[s
             continue
         if name is None and m is not None and m.group(2) in layer_names:
             name = f"layers.{m.group(1)}.{layer_names[m.group(2)]}"
+        elif name is None and m is not None and config.moe is not None and (
+                e := _HF_EXPERT_RE.fullmatch(m.group(2))):
+            name = (f"layers.{m.group(1)}.feed_forward.experts.{e.group(1)}."
+                    f"{_HF_EXPERT_PARTS[e.group(2)]}.weight")
         if name is None:
             unexpected.append(hf_name)
         elif config.architecture in GEMMA and name.endswith("norm.weight"):
@@ -300,18 +320,39 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
             p + "attention.wv.weight": (kv, d),
             p + "attention.wo.weight": (d, q),
             p + "ffn_norm.weight": (d,),
-            p + "feed_forward.w1.weight": (config.intermediate_size, d),
-            p + "feed_forward.w3.weight": (config.intermediate_size, d),
-            p + "feed_forward.w2.weight": (d, config.intermediate_size),
         }
+        shapes |= _feed_forward_shapes(config, p + "feed_forward.")
         if config.attention_bias:
             shapes |= {p + "attention.wq.bias": (q,), p + "attention.wk.bias": (kv,), p + "attention.wv.bias": (kv,)}
         if config.output_bias:
             shapes[p + "attention.wo.bias"] = (d,)
-        if config.qk_norm:
-            shapes |= {p + f"attention.{x}_norm.weight": (config.head_dim,) for x in "qk"}
+        if config.qk_norm:  # each head's, or the whole projection's
+            whole = config.qk_norm_whole
+            shapes |= {p + "attention.q_norm.weight": (q if whole else config.head_dim,),
+                       p + "attention.k_norm.weight": (kv if whole else config.head_dim,)}
         if config.architecture in GEMMA:
             shapes |= {p + "post_attention_norm.weight": (d,), p + "post_ffn_norm.weight": (d,)}
+    return shapes
+
+
+def _feed_forward_shapes(config: ModelConfig, p: str) -> dict[str, tuple[int, ...]]:
+    """A layer's feed-forward's tensors (p: its prefix): the dense one's, or the router's, each
+    expert's and the shared expert's with its gate."""
+    d = config.hidden_size
+
+    def swiglu(prefix: str, features: int) -> dict[str, tuple[int, ...]]:
+        return {prefix + "w1.weight": (features, d), prefix + "w3.weight": (features, d),
+                prefix + "w2.weight": (d, features)}
+
+    moe = config.moe
+    if moe is None:
+        return swiglu(p, config.intermediate_size)
+    shapes = {p + "router.weight": (moe.experts, d)}
+    for e in range(moe.experts):
+        shapes |= swiglu(f"{p}experts.{e}.", moe.intermediate)
+    if moe.shared_intermediate:
+        shapes |= swiglu(p + "shared_expert.", moe.shared_intermediate)
+        shapes[p + "shared_gate.weight"] = (1, d)
     return shapes
 
 

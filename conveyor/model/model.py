@@ -20,9 +20,15 @@ from conveyor.model.attention import AttentionMetadata, Scores, paged_attention,
 from conveyor.model.config import ModelConfig
 from conveyor.model.rope import apply_rope
 
-# The matmuls run fused, one per group: the fused name and its parts, in order.
-FUSED = {"attention.wqkv": ("attention.wq", "attention.wk", "attention.wv"),
-         "feed_forward.w13": ("feed_forward.w1", "feed_forward.w3")}
+# The matmuls run fused, one per group: the fused name and its parts, in order (a feed-forward's
+# w13 wherever it is: an expert's too).
+FUSED = {"wqkv": ("wq", "wk", "wv"), "w13": ("w1", "w3")}
+
+
+def fused_parts(name: str) -> list[str]:
+    """A linear's loader names: a fused one's parts (``a.b.w13`` -> ``a.b.w1``, ``a.b.w3``)."""
+    head, dot, last = name.rpartition(".")
+    return [head + dot + part for part in FUSED[last]] if last in FUSED else [name]
 
 
 class Linear(nn.Linear):
@@ -117,9 +123,11 @@ class Attention(nn.Module):
         self.wqkv = Linear(config.hidden_size, self.q_size + 2 * self.kv_size,
                            bias=config.attention_bias)
         self.wo = Linear(self.q_size, config.hidden_size, bias=config.output_bias)
-        if config.qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.qk_norm_whole = config.qk_norm_whole
+        if config.qk_norm:  # each head's, or (OLMoE) the whole projection's
+            whole = config.qk_norm_whole
+            self.q_norm = RMSNorm(self.q_size if whole else self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.kv_size if whole else self.head_dim, config.rms_norm_eps)
         else:
             self.q_norm = self.k_norm = None
 
@@ -127,9 +135,14 @@ class Attention(nn.Module):
                 kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
         T = x.shape[0]
         cos, sin = ropes[self.rope]
-        qkv = self.wqkv(x).view(T, self.n_heads + 2 * self.n_kv_heads, self.head_dim)
+        qkv = self.wqkv(x)
+        if self.qk_norm_whole:
+            qk = self.q_size + self.kv_size
+            qkv = torch.cat((self.q_norm(qkv[:, :self.q_size]),
+                             self.k_norm(qkv[:, self.q_size:qk]), qkv[:, qk:]), dim=1)
+        qkv = qkv.view(T, self.n_heads + 2 * self.n_kv_heads, self.head_dim)
         qk, v = qkv[:, :self.n_heads + self.n_kv_heads], qkv[:, self.n_heads + self.n_kv_heads:]
-        if self.q_norm is not None:
+        if self.q_norm is not None and not self.qk_norm_whole:
             qk = torch.cat((self.q_norm(qk[:, :self.n_heads]), self.k_norm(qk[:, self.n_heads:])),
                            dim=1)
         if meta.rope_kv_write is not None:
@@ -147,12 +160,13 @@ class FeedForward(nn.Module):
 
     gated_mul: GatedMul | None = None  # the CPU kernel of act(gate) * up, when attached
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, intermediate: int | None = None) -> None:
+        """intermediate: its features where not the config's (an expert's)."""
         super().__init__()
         self.act = config.hidden_act
-        self.intermediate = config.intermediate_size
-        self.w13 = Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.w2 = Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.intermediate = intermediate or config.intermediate_size
+        self.w13 = Linear(config.hidden_size, 2 * self.intermediate, bias=False)
+        self.w2 = Linear(self.intermediate, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gated_mul is not None:

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from conveyor.llm import LLM
-from conveyor.model.config import GEMMA, ModelConfig
+from conveyor.model.config import GEMMA, MOE_ARCHITECTURES, ModelConfig
 from conveyor.model.gguf_config import gguf_config
 from conveyor.model.gguf_file import read_gguf
 from conveyor.model.rope import longrope_switch, rope_attention_factor, rope_inv_freq
@@ -25,8 +25,11 @@ UNIMPLEMENTED = [
     ("attn_logit_softcapping", 50.0),
     ("final_logit_softcapping", 30.0),
     ("quantization_config", {"quant_method": "awq", "bits": 4}),
-    ("num_local_experts", 8),  # a key Conveyor has never heard of
+    ("num_local_experts", 8),  # (experts, in a family without them)
     ("layer_types", ["full_attention", "chunked_attention"]),
+    ("decoder_sparse_step", 2),  # (dense layers between the sparse ones)
+    ("clip_qkv", 8.0),
+    ("shared_expert_intermediate_size", 64),  # (only Qwen2-MoE's experts have one)
 ]
 
 
@@ -45,7 +48,9 @@ def test_what_transformers_writes_is_accepted(arch):
 REFUSALS = [pytest.param(arch, key, value, id=f"{arch}-{key}")
             for arch in sorted(_CONFIG_CLASSES) for key, value in UNIMPLEMENTED
             if not (arch in GEMMA and key.endswith("_softcapping")
-                    or arch == "phi3" and key == "partial_rotary_factor")]
+                    or arch == "phi3" and key == "partial_rotary_factor"
+                    or arch in MOE_ARCHITECTURES and key == "num_local_experts"
+                    or arch == "qwen2_moe" and key == "shared_expert_intermediate_size")]
 
 
 @pytest.mark.parametrize("arch,key,value", REFUSALS)
