@@ -7,6 +7,7 @@ import copy
 import functools
 import math
 import os
+import re
 import zlib
 from typing import Any
 
@@ -207,6 +208,18 @@ _HF_TO_GGUF_BY_ARCH = {
     "phi3": [("self_attn.qkv_proj.", "attn_qkv."), ("mlp.gate_up_proj.", "ffn_up.")],
 }
 _HF_TO_GGUF_BY_ARCH["gemma3"] = _HF_TO_GGUF_BY_ARCH["gemma2"]
+# The mixtures of experts' router and shared expert; their experts' matrices (transformers holds
+# them as 3-D gate_up_proj and down_proj) go into one 3-D tensor a kind (_HF_EXPERTS)
+_HF_TO_GGUF_MOE = [("mlp.gate.", "ffn_gate_inp."),
+                   ("mlp.shared_expert.gate_proj.", "ffn_gate_shexp."),
+                   ("mlp.shared_expert.up_proj.", "ffn_up_shexp."),
+                   ("mlp.shared_expert.down_proj.", "ffn_down_shexp."),
+                   ("mlp.shared_expert_gate.", "ffn_gate_inp_shexp.")]
+_HF_EXPERTS = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)")
+_GGUF_EXPERTS = {"gate_up_proj": ("ffn_gate_exps", "ffn_up_exps"),
+                 "down_proj": ("ffn_down_exps",)}
+_GGUF_ARCH = {"gemma3_text": "gemma3", "mixtral": "llama", "qwen2_moe": "qwen2moe",
+              "qwen3_moe": "qwen3moe"}
 
 
 def write_gguf(path: str, model: transformers.PreTrainedModel, *,
@@ -225,8 +238,16 @@ def write_gguf(path: str, model: transformers.PreTrainedModel, *,
     converter stores them.
     """
     c = model.config
-    arch = {"gemma3_text": "gemma3"}.get(c.model_type, c.model_type)
+    arch = _GGUF_ARCH.get(c.model_type, c.model_type)
     writer = gguf.GGUFWriter(path, arch)
+    experts = getattr(c, "num_local_experts", None) or getattr(c, "num_experts", None)
+    if experts:  # as llama.cpp's converter writes them
+        writer.add_expert_count(experts)
+        writer.add_expert_used_count(c.num_experts_per_tok)
+        if getattr(c, "moe_intermediate_size", None):
+            writer.add_expert_feed_forward_length(c.moe_intermediate_size)
+        if getattr(c, "shared_expert_intermediate_size", None):
+            writer.add_expert_shared_feed_forward_length(c.shared_expert_intermediate_size)
     writer.add_block_count(c.num_hidden_layers)
     writer.add_context_length(c.max_position_embeddings)
     writer.add_embedding_length(c.hidden_size)
@@ -262,38 +283,53 @@ def write_gguf(path: str, model: transformers.PreTrainedModel, *,
     if tokenizer:
         assert c.vocab_size == len(TINY_VOCAB), "make the model with vocab_size=len(TINY_VOCAB)"
         writer.add_tokenizer_model("gpt2")
+        writer.add_tokenizer_pre("gpt-2")  # (as the converter names it, for GPT-2's splits)
         writer.add_token_list(TINY_VOCAB)
         writer.add_token_types([1] * (len(TINY_VOCAB) - 1) + [3])  # 3: control
         writer.add_token_merges(_TINY_MERGES)
         writer.add_eos_token_id(len(TINY_VOCAB) - 1)
+    def stored(name: str, w: np.ndarray) -> tuple[np.ndarray, np.ndarray, Any]:
+        """A tensor as the file stores it, the weights that holds and its block type (None:
+        F32): a matrix in its type (types'), the rest F32."""
+        qtype = (types or {}).get(name.split(".")[-2], gguf.GGMLQuantizationType.F32)
+        if w.ndim != 2 or qtype == gguf.GGMLQuantizationType.F32:
+            return np.ascontiguousarray(w), w, None
+        if qtype in K_QUANT_RANGE:
+            rng = np.random.default_rng(zlib.crc32(name.encode()))
+            blocks = random_k_quant_blocks(qtype, np.abs(w).max(axis=1), w.shape[1], rng)
+        else:
+            blocks = gguf.quants.quantize(w, qtype)
+        return blocks, gguf.quants.dequantize(blocks, qtype).reshape(w.shape), qtype
+
     for hf_name, tensor in model.state_dict().items():
         if hf_name == "lm_head.weight" and c.tie_word_embeddings:
             continue
         w = tensor.numpy()
+        if (m := _HF_EXPERTS.fullmatch(hf_name)) is not None:  # [experts, rows, values]
+            kinds = _GGUF_EXPERTS[m.group(2)]
+            for kind, part in zip(kinds, tensor.chunk(len(kinds), dim=1)):  # (gate, up)
+                name = f"blk.{m.group(1)}.{kind}.weight"
+                each = [stored(f"{name}.{e}", w.numpy()) for e, w in enumerate(part)]
+                writer.add_tensor(name, np.stack([data for data, _, _ in each]),
+                                  raw_dtype=each[0][2])
+                if sync:
+                    part.copy_(torch.from_numpy(np.stack([held for _, held, _ in each])))
+            continue
         permuted = arch == "llama" and ("q_proj" in hf_name or "k_proj" in hf_name)
         heads = c.num_attention_heads if "q_proj" in hf_name else c.num_key_value_heads
         if permuted:
             w = _llama_cpp_permute(w, heads)
         name = hf_name
-        for old, new in _HF_TO_GGUF_BY_ARCH.get(arch, []) + _HF_TO_GGUF:
+        for old, new in _HF_TO_GGUF_BY_ARCH.get(arch, []) + _HF_TO_GGUF_MOE + _HF_TO_GGUF:
             name = name.replace(old, new)
         if arch.startswith("gemma") and name.endswith("norm.weight"):
             w = w + 1
-        qtype = (types or {}).get(name.split(".")[-2], gguf.GGMLQuantizationType.F32)
-        if w.ndim == 2 and qtype != gguf.GGMLQuantizationType.F32:
-            if qtype in K_QUANT_RANGE:
-                rng = np.random.default_rng(zlib.crc32(name.encode()))
-                blocks = random_k_quant_blocks(qtype, np.abs(w).max(axis=1), w.shape[1], rng)
-            else:
-                blocks = gguf.quants.quantize(w, qtype)
-            writer.add_tensor(name, blocks, raw_dtype=qtype)
-            if sync:  # the model takes the file's weights
-                held = gguf.quants.dequantize(blocks, qtype).reshape(w.shape)
-                if permuted:
-                    held = _llama_cpp_permute(held, heads, back=True)
-                tensor.copy_(torch.from_numpy(np.ascontiguousarray(held)))
-        else:
-            writer.add_tensor(name, np.ascontiguousarray(w))
+        data, held, qtype = stored(name, w)
+        writer.add_tensor(name, data, raw_dtype=qtype)
+        if sync and qtype is not None:  # the model takes the file's weights
+            if permuted:
+                held = _llama_cpp_permute(held, heads, back=True)
+            tensor.copy_(torch.from_numpy(np.ascontiguousarray(held)))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

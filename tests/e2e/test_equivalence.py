@@ -107,6 +107,13 @@ TINY = {
     "gemma3": ("gemma3", {"sliding_window": 24}),
     "gemma3-bf16": ("gemma3", {"sliding_window": 24, "dtype": torch.bfloat16}),  # 1 + w of it
     "smollm3": ("smollm3", {}),  # its fourth layer without rope
+    # mixtures of experts (8, 2 a token): Mixtral's renormalised weights, Qwen2-MoE's shared
+    # expert and q/k/v biases, Qwen3-MoE's q/k norms, OLMoE's norms over whole projections
+    "mixtral": ("mixtral", {}),
+    "qwen2_moe": ("qwen2_moe", {}),
+    "qwen3_moe": ("qwen3_moe", {}),
+    "olmoe": ("olmoe", {}),
+    "qwen3_moe-bf16": ("qwen3_moe", {"dtype": torch.bfloat16}),
 }
 
 
@@ -128,7 +135,7 @@ def tiny_paths(tmp_path_factory):
 # head_dim of its own, partial rotary, windows with a local rope, soft caps. The static policy,
 # a scheduling matter, runs on the GGUF models (above and below), not on each checkpoint.
 LOWER_TIERS_TINY = ("llama", "llama-bf16", "qwen2-fp16", "qwen3", "phi3-partial-longrope",
-                    "phi3-longrope-switch", "gemma2", "gemma3")
+                    "phi3-longrope-switch", "gemma2", "gemma3", "qwen2_moe")
 TINY_RUNS = [pytest.param(name, *path.values, id=f"{name}-{path.id}") for name in TINY
              for path in PATHS if path.values[1] == "continuous"
              and (path.values[0] in (NATIVE, "pytorch") or name in LOWER_TIERS_TINY)]
@@ -209,11 +216,20 @@ def test_a_type_the_kernels_do_not_read_runs_dense(k_quant_gguf, monkeypatch, ca
 # Gemma's scores at head_dim ** -0.5, as llama.cpp scores them; Phi-3 with Phi-4-mini's partial
 # rotary and LongRoPE factors as tensors.
 FAMILY_MIX = {**K_MIX, "attn_output": Q.Q8_0, "attn_qkv": Q.Q4_K}
+# The mixtures of experts: their experts' gate in Q4_K, up in Q8_0, down in Q6_K; Qwen2-MoE's
+# shared expert in Q4_K and Q8_0; the routers in F32, as llama.cpp's quantizer keeps them.
+MOE_MIX = {**FAMILY_MIX, "ffn_gate_exps": Q.Q4_K, "ffn_up_exps": Q.Q8_0,
+           "ffn_down_exps": Q.Q6_K, "ffn_gate_shexp": Q.Q4_K, "ffn_up_shexp": Q.Q8_0,
+           "ffn_down_shexp": Q.Q8_0}
 GGUF_FAMILIES = {
     "gemma2": dict(head_dim=64, query_pre_attn_scalar=64, sliding_window=24),
     "gemma3": dict(head_dim=64, query_pre_attn_scalar=64, sliding_window=24, layer_types=None,
                    num_hidden_layers=6),
     "phi3": dict(sliding_window=24, partial_rotary_factor=0.5, **phi3_longrope(16)),
+    "mixtral": dict(intermediate_size=256),
+    "qwen2_moe": dict(moe_intermediate_size=256, shared_expert_intermediate_size=256),
+    "qwen3_moe": dict(moe_intermediate_size=256),
+    "olmoe": dict(intermediate_size=256),
 }
 
 
@@ -227,9 +243,9 @@ def family_ggufs(tmp_path_factory):
         mp.setenv("CONVEYOR_CACHE_DIR", str(tmp_path_factory.mktemp("cache")))
         for arch, overrides in GGUF_FAMILIES.items():
             model = make_tiny_model(arch, vocab_size=len(TINY_VOCAB), hidden_size=256,
-                                    intermediate_size=512, **overrides)
+                                    **{"intermediate_size": 512, **overrides})
             folder = tmp_path_factory.mktemp(f"{arch}-gguf")
-            gguf_path = write_gguf(str(folder / f"{arch}.gguf"), model, types=FAMILY_MIX,
+            gguf_path = write_gguf(str(folder / f"{arch}.gguf"), model, types=MOE_MIX,
                                    tokenizer=True, sync=True)
             model.save_pretrained(folder / "reference")
             files[arch] = gguf_path, str(folder / "reference")
