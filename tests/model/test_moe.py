@@ -1,0 +1,100 @@
+"""The mixture-of-experts layer: its grouping of a step's tokens by expert, and its output against
+a plain loop over each token's chosen experts."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from conveyor.model.config import ModelConfig
+from conveyor.model.moe import Route, SparseMoE
+
+from tiny_models import _CONFIG_CLASSES, make_tiny_checkpoint
+
+
+def config(arch: str, **overrides) -> ModelConfig:
+    """The settings of what transformers writes for this family, with overrides."""
+    sizes = {"intermediate_size": 64, "moe_intermediate_size": 32,
+             "shared_expert_intermediate_size": 48}
+    hf = _CONFIG_CLASSES[arch](num_hidden_layers=2, hidden_size=64, **overrides).to_dict()
+    return ModelConfig.from_hf_config({**hf, **{k: v for k, v in sizes.items() if k in hf}})
+
+
+@settings(max_examples=60, deadline=None)
+@given(tokens=st.integers(1, 30), experts=st.integers(1, 12), data=st.data())
+def test_a_route_groups_every_token_slot_once_expert_by_expert(tokens, experts, data):
+    used = data.draw(st.integers(1, experts))
+    chosen = torch.stack([torch.randperm(experts)[:used] for _ in range(tokens)])
+    weights = torch.rand(tokens, used)
+    route = Route(weights, chosen, experts)
+    seen = []
+    for expert, rows, w in route.groups():
+        assert rows.tolist() == sorted(rows.tolist())  # (each expert's tokens in order)
+        for t, value in zip(rows.tolist(), w.tolist()):
+            (slot,) = (chosen[t] == expert).nonzero()[0].tolist()
+            assert value == weights[t, slot].item()
+            seen.append((t, expert))
+    assert [e for _, e in seen] == sorted(e for _, e in seen)  # ascending experts
+    assert sorted(seen) == sorted((t, e) for t in range(tokens) for e in chosen[t].tolist())
+
+
+def _filled(moe: SparseMoE) -> SparseMoE:
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in moe.parameters():
+            p.copy_(torch.randn_like(p) * 0.3)
+    return moe.eval()
+
+
+def _expert(ff, x: torch.Tensor) -> torch.Tensor:
+    """SwiGLU from the expert's weights, written out."""
+    gate, up = F.linear(x, ff.w13.weight).split(ff.intermediate, dim=-1)
+    return F.linear(F.silu(gate) * up, ff.w2.weight)
+
+
+@pytest.mark.parametrize("arch,norm", [("mixtral", True), ("qwen3_moe", True),
+                                       ("qwen3_moe", False), ("qwen2_moe", False), ("olmoe", False)])
+def test_the_grouped_experts_equal_a_loop_over_each_tokens_experts(arch, norm):
+    overrides = {"norm_topk_prob": norm} if arch != "mixtral" else {}
+    c = config(arch, num_experts_per_tok=3, **{"num_local_experts" if arch == "mixtral"
+                                               else "num_experts": 6}, **overrides)
+    assert c.moe.norm_topk == norm
+    moe = _filled(SparseMoE(c))
+    x = torch.randn(9, 64)
+    with torch.no_grad():
+        expected = torch.zeros_like(x)
+        for t in range(len(x)):
+            probs = torch.softmax(moe.router @ x[t], dim=0)
+            weights, chosen = probs.topk(3)
+            if norm:
+                weights = weights / weights.sum()
+            for w, e in zip(weights, chosen.tolist()):
+                expected[t] += w * _expert(moe.experts[e], x[t:t + 1])[0]
+            if moe.shared_expert is not None:
+                gate = torch.sigmoid(moe.shared_gate.weight @ x[t])
+                expected[t] += gate * _expert(moe.shared_expert, x[t:t + 1])[0]
+        assert torch.allclose(moe(x), expected, atol=1e-5, rtol=1e-4)
+
+
+def test_the_router_runs_in_float32_at_bfloat16():
+    """Its logits and probabilities from float32 inputs and weights, whatever the model dtype."""
+    moe = _filled(SparseMoE(config("qwen3_moe", num_experts=6, num_experts_per_tok=2)))
+    for ff in moe.experts:
+        ff.to(torch.bfloat16)
+    x = torch.randn(5, 64).to(torch.bfloat16)
+    route = moe.route(x)
+    assert route.weights.dtype == torch.float32 and moe.router.dtype == torch.float32
+    assert moe(x).dtype == torch.bfloat16
+
+
+def test_a_folder_of_a_moe_family_loads_its_experts_under_their_names(tmp_path):
+    from conveyor.model.loader import load_model
+
+    loaded = load_model(make_tiny_checkpoint(tmp_path, "qwen2_moe"))
+    names = loaded.names()
+    assert {"layers.1.feed_forward.router.weight", "layers.1.feed_forward.experts.7.w2.weight",
+            "layers.0.feed_forward.shared_gate.weight"} <= names
+    assert not any(".feed_forward.w1." in n for n in names)
