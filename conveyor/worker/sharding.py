@@ -61,6 +61,9 @@ def plan_shards(config: ModelConfig, ranks: int, granule: int = 1) -> list[Shard
     """Each rank's heads and features. Where heads divide unevenly (SmolLM2-135M's 3 KV heads
     over 2 ranks), the feed-forward features are given out to even the ranks' weights: units of
     ``granule`` features each to the rank holding the fewest matrix elements so far."""
+    if config.moe is not None:
+        raise ValueError(f"tensor parallelism is not implemented for mixture-of-experts models "
+                         f"({config.architecture}); run them with --tensor-parallel-size 1")
     attention = _attention_shards(config, ranks)
     d, hidden = config.head_dim, config.hidden_size
     load = [2 * hidden * d * (len(q) + len(kv)) for q, kv in attention]  # q, o; k, v

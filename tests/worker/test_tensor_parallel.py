@@ -4,6 +4,7 @@ launch (the server on 2 ranks: tests/server/test_server_two_ranks.py)."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -16,7 +17,7 @@ from hypothesis import strategies as st
 
 from conveyor import LLM, SamplingParams
 from conveyor.kernels.blocks import QuantizedWeight
-from conveyor.model.config import ModelConfig
+from conveyor.model.config import ModelConfig, MoE
 from conveyor.model.gguf_tokenizer import load_gguf_tokenizer
 from conveyor.process import free_port
 from conveyor.worker.sharding import _slice_blocks, kv_heads_per_rank, plan_shards
@@ -33,6 +34,14 @@ def config(heads: int, kv_heads: int, intermediate: int) -> ModelConfig:
 
 
 # -- the plan ----------------------------------------------------------------------------------
+def test_a_mixture_of_experts_is_refused_on_two_ranks():
+    """(its experts' shards are not planned yet: refused by name, not split as a dense layer)"""
+    moe = dataclasses.replace(config(4, 2, 64), architecture="qwen3_moe",
+                              moe=MoE(experts=8, used=2, intermediate=32, norm_topk=True))
+    with pytest.raises(ValueError, match="not implemented for mixture-of-experts"):
+        plan_shards(moe, 2)
+
+
 @given(kv_heads=st.integers(1, 8), group=st.integers(1, 4), ranks=st.integers(1, 8),
        units=st.integers(1, 64), granule=st.sampled_from([1, 32, 256]))
 def test_every_head_and_feature_has_its_ranks(kv_heads, group, ranks, units, granule):
