@@ -17,6 +17,7 @@ Q5_1) are written directly, a tensor at a time; the others (the K-quant mixes: Q
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import glob
 import os
 import shutil
@@ -57,6 +58,10 @@ class Shape:
     family: str = "llama3_2"  # whose tokenizer and vocabulary (converted_ggufs.FAMILIES)
     # Llama 3.1/3.2's rope scaling: (factor, low and high frequency factors, pretrained length)
     llama3_rope: tuple[float, float, float, int] | None = None
+    # a mixture of experts' count, experts a token runs and their features (ffn: then unused)
+    experts: int = 0
+    experts_used: int = 0
+    expert_ffn: int = 0
 
 
 _LLAMA3_ROPE = (32.0, 1.0, 4.0, 8192)
@@ -76,6 +81,9 @@ SHAPES = {
     "gemma-3-1b": Shape("gemma3", 1152, 26, 4, 1, 6912, True, 1000000.0, 1e-6, 32768,
                         head_dim=256, qk_norm=True, post_norms=True, sliding_window=512,
                         family="gemma3"),
+    "qwen3-30b-a3b": Shape("qwen3moe", 2048, 48, 32, 4, 6144, False, 1000000.0, 1e-6, 40960,
+                           head_dim=128, qk_norm=True, family="qwen3", experts=128,
+                           experts_used=8, expert_ffn=768),
 }
 DIRECT_TYPES = {"F16": Q.F16, "BF16": Q.BF16, "Q8_0": Q.Q8_0, "Q4_0": Q.Q4_0, "Q4_1": Q.Q4_1,
                 "Q5_0": Q.Q5_0, "Q5_1": Q.Q5_1}
@@ -91,9 +99,17 @@ def tensors(shape: Shape, vocab: int) -> list[tuple[str, tuple[int, ...]]]:
         p = f"blk.{i}."
         out += [(p + "attn_norm.weight", (s.hidden,)), (p + "attn_q.weight", (q, s.hidden)),
                 (p + "attn_k.weight", (kv, s.hidden)), (p + "attn_v.weight", (kv, s.hidden)),
-                (p + "attn_output.weight", (s.hidden, q)), (p + "ffn_norm.weight", (s.hidden,)),
-                (p + "ffn_gate.weight", (s.ffn, s.hidden)), (p + "ffn_up.weight", (s.ffn, s.hidden)),
-                (p + "ffn_down.weight", (s.hidden, s.ffn))]
+                (p + "attn_output.weight", (s.hidden, q)), (p + "ffn_norm.weight", (s.hidden,))]
+        if s.experts:  # the router, then the experts' matrices stacked, as the converter has them
+            e, f = s.experts, s.expert_ffn
+            out += [(p + "ffn_gate_inp.weight", (e, s.hidden)),
+                    (p + "ffn_gate_exps.weight", (e, f, s.hidden)),
+                    (p + "ffn_up_exps.weight", (e, f, s.hidden)),
+                    (p + "ffn_down_exps.weight", (e, s.hidden, f))]
+        else:
+            out += [(p + "ffn_gate.weight", (s.ffn, s.hidden)),
+                    (p + "ffn_up.weight", (s.ffn, s.hidden)),
+                    (p + "ffn_down.weight", (s.hidden, s.ffn))]
         if s.qkv_bias:
             out += [(p + "attn_q.bias", (q,)), (p + "attn_k.bias", (kv,)), (p + "attn_v.bias", (kv,))]
         if s.qk_norm:
@@ -153,6 +169,10 @@ def _metadata(writer: gguf.GGUFWriter, name: str, shape: Shape) -> None:
     writer.add_rope_freq_base(s.rope_theta)
     if s.sliding_window is not None:
         writer.add_sliding_window(s.sliding_window)
+    if s.experts:
+        writer.add_expert_count(s.experts)
+        writer.add_expert_used_count(s.experts_used)
+        writer.add_expert_feed_forward_length(s.expert_ffn)
 
 
 def _values(rng: np.random.Generator, name: str, dims: tuple[int, ...],
@@ -164,9 +184,15 @@ def _values(rng: np.random.Generator, name: str, dims: tuple[int, ...],
     return rng.standard_normal(dims, dtype=np.float32) * np.float32(0.02)
 
 
+def _stored_type(name: str, dims: tuple[int, ...], ggml_type: Q) -> Q:
+    """The matrices in ``ggml_type``; 1-D tensors and the experts' routers F32, as llama.cpp
+    keeps them."""
+    return Q.F32 if len(dims) == 1 or name.endswith("ffn_gate_inp.weight") else ggml_type
+
+
 def write_direct(path: str, name: str, shape: Shape, ggml_type: Q, seed: int) -> None:
-    """The file in ``ggml_type`` (1-D tensors F32, as llama.cpp keeps them), a tensor at a time
-    (never the whole model in memory)."""
+    """The file in ``ggml_type`` (``_stored_type``), a tensor at a time (never the whole model
+    in memory)."""
     with tempfile.TemporaryDirectory() as tmp:
         source = gguf.GGUFReader(vocabulary_file(shape.family, tmp))
     writer = gguf.GGUFWriter(path, shape.arch)
@@ -175,7 +201,7 @@ def write_direct(path: str, name: str, shape: Shape, ggml_type: Q, seed: int) ->
     writer.add_file_type(int(gguf.LlamaFileType.MOSTLY_F16) if ggml_type == Q.F16 else 0)
     plan = tensors(shape, vocab)
     for tensor_name, dims in plan:
-        kind = ggml_type if len(dims) == 2 else Q.F32
+        kind = _stored_type(tensor_name, dims, ggml_type)
         block, size = gguf.GGML_QUANT_SIZES[kind]
         nbytes = int(np.prod(dims)) // block * size
         # (a float dtype: dims count values, not bytes)
@@ -187,7 +213,7 @@ def write_direct(path: str, name: str, shape: Shape, ggml_type: Q, seed: int) ->
     rng = np.random.default_rng(seed)
     for tensor_name, dims in plan:
         w = _values(rng, tensor_name, dims, shape)
-        if len(dims) == 2:
+        if _stored_type(tensor_name, dims, ggml_type) != Q.F32:
             w = gguf.quants.quantize(w, ggml_type)
         writer.write_tensor_data(w)
     writer.close()
@@ -211,10 +237,14 @@ def main() -> None:
                         "Q5_K_M, Q6_K, ...)" % ", ".join(DIRECT_TYPES))
     p.add_argument("-o", "--output", help="the file (default: SHAPE-TYPE.gguf here)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--layers", type=int,
+                   help="fewer layers of the same shape, where the disk or the time is short")
     p.add_argument("--llama-quantize", default=find_llama_quantize(),
                    help="llama.cpp's llama-quantize (default: $LLAMA_QUANTIZE, PATH, the peer build)")
     args = p.parse_args()
     shape = SHAPES[args.shape]
+    if args.layers:
+        shape = dataclasses.replace(shape, layers=args.layers)
     out = args.output or f"{args.shape}-{args.type}.gguf"
     started = time.monotonic()
     kind = args.type.upper()
