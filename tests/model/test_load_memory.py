@@ -1,6 +1,8 @@
 """Loading a GGUF takes about the memory of its file: its matrices are read where the file's map
 has them, never copied to float32 or to dense weights. Measured in a fresh process, on a random
-Q8_0 model of ~270 MB (SmolLM2's tokenizer, a Llama layout of 12 layers of 1024)."""
+Q8_0 model of ~270 MB (SmolLM2's tokenizer, a Llama layout of 12 layers of 1024), and on a
+mixture of experts of ~190 MB (Mixtral's layout: 8 experts of 512 a layer, stacked in 3-D
+tensors, the routers F32)."""
 
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from conveyor.model.loader import default_model_path
 
 Q = gguf.GGMLQuantizationType
 HIDDEN, LAYERS, FFN, HEADS, KV_HEADS = 1024, 12, 4096, 16, 4
+EXPERTS, EXPERT_FFN = 8, 512
 
 # Loads the file, generates (every matrix read once), and prints resident memory before
 # loading and the peak after, in bytes (VmHWM: ru_maxrss would carry the parent's peak over the
@@ -42,15 +45,19 @@ def random_q8_0(rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
     return blocks.reshape(rows, -1)
 
 
-@pytest.fixture(scope="module")
-def q8_model(tmp_path_factory) -> str:
+@pytest.fixture(scope="module", params=["dense", "experts"])
+def q8_model(tmp_path_factory, request) -> str:
+    experts = request.param == "experts"
     path = str(tmp_path_factory.mktemp("memory") / "q8.gguf")
     source = GGUFFile(default_model_path())
     writer = gguf.GGUFWriter(path, "llama")
     writer.add_block_count(LAYERS)
     writer.add_context_length(4096)
     writer.add_embedding_length(HIDDEN)
-    writer.add_feed_forward_length(FFN)
+    writer.add_feed_forward_length(EXPERT_FFN if experts else FFN)
+    if experts:
+        writer.add_expert_count(EXPERTS)
+        writer.add_expert_used_count(2)
     writer.add_head_count(HEADS)
     writer.add_head_count_kv(KV_HEADS)
     writer.add_layer_norm_rms_eps(1e-5)
@@ -69,11 +76,21 @@ def q8_model(tmp_path_factory) -> str:
     writer.add_tensor("token_embd.weight", random_q8_0(vocab, HIDDEN, rng), raw_dtype=Q.Q8_0)
     for i in range(LAYERS):
         for name, rows, cols in (("attn_q", HIDDEN, HIDDEN), ("attn_k", kv, HIDDEN),
-                                 ("attn_v", kv, HIDDEN), ("attn_output", HIDDEN, HIDDEN),
-                                 ("ffn_gate", FFN, HIDDEN), ("ffn_up", FFN, HIDDEN),
-                                 ("ffn_down", HIDDEN, FFN)):
+                                 ("attn_v", kv, HIDDEN), ("attn_output", HIDDEN, HIDDEN)):
             writer.add_tensor(f"blk.{i}.{name}.weight", random_q8_0(rows, cols, rng),
                               raw_dtype=Q.Q8_0)
+        for name, rows, cols in (("ffn_gate", FFN, HIDDEN), ("ffn_up", FFN, HIDDEN),
+                                 ("ffn_down", HIDDEN, FFN)):
+            if not experts:
+                writer.add_tensor(f"blk.{i}.{name}.weight", random_q8_0(rows, cols, rng),
+                                  raw_dtype=Q.Q8_0)
+                continue
+            rows, cols = (EXPERT_FFN, HIDDEN) if name != "ffn_down" else (HIDDEN, EXPERT_FFN)
+            stacked = random_q8_0(EXPERTS * rows, cols, rng).reshape(EXPERTS, rows, -1)
+            writer.add_tensor(f"blk.{i}.{name}_exps.weight", stacked, raw_dtype=Q.Q8_0)
+        if experts:
+            writer.add_tensor(f"blk.{i}.ffn_gate_inp.weight",
+                              rng.standard_normal((EXPERTS, HIDDEN), np.float32))
         for name in ("attn_norm", "ffn_norm"):
             writer.add_tensor(f"blk.{i}.{name}.weight", np.ones(HIDDEN, np.float32))
     writer.add_tensor("output_norm.weight", np.ones(HIDDEN, np.float32))
