@@ -212,10 +212,11 @@ def _load_hf_folder(folder: str) -> LoadedModel:
     weights = _hf_weights(_read_safetensors(folder), config)
     check_weights(weights, config)
     # the matrices as stored, for the CPU's block linears (which read float32, float16 and
-    # bfloat16 rows too): views, no copy
+    # bfloat16 rows too): views, no copy; not the experts' routers, which stay float32 (and out
+    # of --quantization, as llama.cpp's quantizer leaves them)
     matrices = {name: QuantizedWeight.from_dense(w) for name, w in weights.items()
                 if w.ndim == 2 and (name != "tok_embeddings.weight" or config.tie_word_embeddings)
-                and w.dtype in DENSE_TYPES}
+                and w.dtype in DENSE_TYPES and not name.endswith(".router.weight")}
 
     tokenizer = load_tokenizer(folder)
     generation_path = os.path.join(folder, "generation_config.json")

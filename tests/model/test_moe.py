@@ -3,6 +3,7 @@ a plain loop over each token's chosen experts."""
 
 from __future__ import annotations
 
+import gguf
 import pytest
 import torch
 import torch.nn.functional as F
@@ -98,3 +99,17 @@ def test_a_folder_of_a_moe_family_loads_its_experts_under_their_names(tmp_path):
     assert {"layers.1.feed_forward.router.weight", "layers.1.feed_forward.experts.7.w2.weight",
             "layers.0.feed_forward.shared_gate.weight"} <= names
     assert not any(".feed_forward.w1." in n for n in names)
+
+
+def test_quantizing_a_folder_leaves_the_routers_in_float32(tmp_path):
+    """--quantization q8_0 takes the experts' matrices into blocks, not the routers (as
+    llama.cpp's quantizer keeps ffn_gate_inp)."""
+    from conveyor.model.loader import load_model
+
+    folder = make_tiny_checkpoint(tmp_path, "qwen3_moe")
+    plain, quantized = load_model(folder), load_model(folder, quantization="q8_0")
+    router = "layers.0.feed_forward.router.weight"
+    assert router not in quantized.quantized
+    assert torch.equal(quantized.weights[router], plain.weights[router])
+    expert = quantized.quantized["layers.0.feed_forward.experts.5.w1.weight"]
+    assert expert.ggml_type == gguf.GGMLQuantizationType.Q8_0
