@@ -35,7 +35,7 @@ import time
 import urllib.request
 import zipfile
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -333,12 +333,7 @@ FAMILIES: dict[str, Family] = {
                         rope_parameters={"rope_type": "default", "rope_theta": 5000000.0}),
         _copy_npm("llama3_2", "HuggingFaceTB-SmolLM3-3B", _smollm3_tokens), "<|im_end|>",
         (), "SmolLM3-3B"),
-    # the mixtures of experts (tiny_models' 8 experts, 2 a token)
-    "mixtral": Family(
-        "mixtral", dict(vocab_size=32768, bos_token_id=1, eos_token_id=2,
-                        max_position_embeddings=32768,
-                        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}),
-        _mistral_files, "</s>", (), "Mixtral-8x7B-Instruct-v0.1"),
+    # the mixtures of experts (tiny_models' 8 experts, 2 a token; Mixtral's below)
     "qwen2_moe": Family(
         "qwen2_moe", dict(vocab_size=151936, bos_token_id=151643, eos_token_id=151645,
                           max_position_embeddings=8192),
@@ -353,6 +348,9 @@ FAMILIES: dict[str, Family] = {
                       pad_token_id=128001, max_position_embeddings=4096),
         _copy_npm("llama3_2"), "<|eot_id|>", ("<|end_of_text|>",), "OLMoE-1B-7B-0125-Instruct"),
 }
+# Mixtral: Mistral's tokenizer, ids and rope with the experts' network
+FAMILIES["mixtral"] = replace(FAMILIES["mistral_v0_3"], arch="mixtral",
+                             name="Mixtral-8x7B-Instruct-v0.1")
 
 
 def write_hf_folder(family: str, parent: Path) -> Path:

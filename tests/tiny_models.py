@@ -288,6 +288,7 @@ def write_gguf(path: str, model: transformers.PreTrainedModel, *,
         writer.add_token_types([1] * (len(TINY_VOCAB) - 1) + [3])  # 3: control
         writer.add_token_merges(_TINY_MERGES)
         writer.add_eos_token_id(len(TINY_VOCAB) - 1)
+
     def stored(name: str, w: np.ndarray) -> tuple[np.ndarray, np.ndarray, Any]:
         """A tensor as the file stores it, the weights that holds and its block type (None:
         F32): a matrix in its type (types'), the rest F32."""
@@ -309,7 +310,7 @@ def write_gguf(path: str, model: transformers.PreTrainedModel, *,
             kinds = _GGUF_EXPERTS[m.group(2)]
             for kind, part in zip(kinds, tensor.chunk(len(kinds), dim=1)):  # (gate, up)
                 name = f"blk.{m.group(1)}.{kind}.weight"
-                each = [stored(f"{name}.{e}", w.numpy()) for e, w in enumerate(part)]
+                each = [stored(f"{name}.{e}", rows.numpy()) for e, rows in enumerate(part)]
                 writer.add_tensor(name, np.stack([data for data, _, _ in each]),
                                   raw_dtype=each[0][2])
                 if sync:
