@@ -48,13 +48,21 @@ def _chunk_text(chunk: dict, chat: bool) -> str:
     return choices[0].get("text") or ""
 
 
+SSE_LINE_END = re.compile(rb"\r\n|\r|\n")
+
+
+def sse_split(data: bytes) -> list[str]:
+    """A whole event stream's lines, by the rule of ``sse_lines``."""
+    return [line.decode("utf-8", errors="replace") for line in SSE_LINE_END.split(data)]
+
+
 async def sse_lines(resp: httpx.Response) -> AsyncIterator[str]:
     """The stream's lines, which end at a line feed, a carriage return or both (Server-Sent
     Events' rule). httpx's ``aiter_lines`` also breaks at U+2028, U+0085 and the like, which a
     server may leave unescaped inside a JSON string (llama-server does, for a token's text)."""
     pending = b""
     async for data in resp.aiter_bytes():
-        *lines, pending = re.split(rb"\r\n|\r|\n", pending + data)
+        *lines, pending = SSE_LINE_END.split(pending + data)
         for line in lines:
             yield line.decode("utf-8", errors="replace")
     if pending:

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 import httpx
 from tqdm import tqdm
 
+from conveyor.bench.client import sse_lines
 from conveyor.process import ConveyorServer
 
 PROMPTS = ["The capital of France is", "Write a haiku about rivers.", "List three fruits:",
@@ -163,7 +164,7 @@ async def _send(http: httpx.AsyncClient, path: str, body: dict | str, stream: bo
                 return Outcome("completed" if ok else "failed", 200, time.monotonic() - t0,
                                "" if ok else f"unfinished: {data}")
             events, done, error = 0, False, None
-            async for line in r.aiter_lines():
+            async for line in sse_lines(r):
                 if not line:
                     continue
                 if line == "data: [DONE]":

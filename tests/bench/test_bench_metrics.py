@@ -15,7 +15,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 
-from conveyor.bench.client import RequestResult
+from conveyor.bench.client import RequestResult, sse_split
 from conveyor.bench.datasets import BenchRequest
 from conveyor.bench.metrics import compute_metrics, parse_goodput
 from conveyor.bench.serve import arrival_gaps, run_load
@@ -132,3 +132,9 @@ def test_a_line_separator_inside_a_json_string_is_text(fake_server):
                                       show_progress=False))
     assert results[0].success, results[0].error
     assert results[0].generated_text == "a\u2028b\x85c\r"
+
+
+def test_sse_split_breaks_at_line_ends_only():
+    """The whole-stream form (the fuzz tests' checks read a finished response with it)."""
+    stream = 'data: "a\u2028b\x85"\r\ndata: x\rdata: y\n'.encode()
+    assert sse_split(stream) == ['data: "a\u2028b\x85"', "data: x", "data: y", ""]

@@ -42,6 +42,7 @@ from schemathesis.checks import not_a_server_error
 from schemathesis.pytest.lazy import get_all_tests
 from server_process import ServerProcess
 
+from conveyor.bench.client import sse_split
 from conveyor.server.errors import APIError, _validation_error
 from conveyor.server.protocol import NOT_IMPLEMENTED, ChatCompletionRequest, CompletionRequest
 from conveyor.server.responses import to_chat
@@ -265,7 +266,7 @@ def stream_errors_well_formed(ctx, response, case) -> None:
     if response.status_code != 200 or not any(
             "text/event-stream" in v for v in response.headers.get("content-type", [])):
         return
-    for line in response.content.decode("utf-8", "replace").splitlines():
+    for line in sse_split(response.content):  # U+0085 or U+2028 inside a JSON string is no break
         if not line.startswith("data: ") or line == "data: [DONE]":
             continue
         try:
@@ -664,7 +665,7 @@ def test_raw_bodies(open_server, name):
         problem = error_shape_problem(r.json())
         assert problem is None, f"{detail}: {problem}"
     elif "text/event-stream" in r.headers.get("content-type", ""):
-        for line in r.text.splitlines():
+        for line in sse_split(r.content):
             if line.startswith("data: {"):
                 event = json.loads(line[6:])
                 assert "error" not in event or (
