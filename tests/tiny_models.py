@@ -179,6 +179,8 @@ def _llama_cpp_permute(w: np.ndarray, n_head: int, back: bool = False) -> np.nda
 
 
 Q = gguf.GGMLQuantizationType
+# Experts as a llama.cpp K-quant mix stores them: gate in Q4_K, up in Q8_0, down in Q6_K
+EXPERT_MIX = {"ffn_gate_exps": Q.Q4_K, "ffn_up_exps": Q.Q8_0, "ffn_down_exps": Q.Q6_K}
 # The largest |sc * q| a K-quant block multiplies d by: what sizes d for a weight range.
 K_QUANT_RANGE = {Q.Q4_K: 63 * 15, Q.Q5_K: 63 * 31, Q.Q6_K: 128 * 32}
 
@@ -289,10 +291,13 @@ def write_gguf(path: str, model: transformers.PreTrainedModel, *,
         writer.add_token_merges(_TINY_MERGES)
         writer.add_eos_token_id(len(TINY_VOCAB) - 1)
 
-    def stored(name: str, w: np.ndarray) -> tuple[np.ndarray, np.ndarray, Any]:
+    def stored(name: str, w: np.ndarray, kind: str | None = None
+               ) -> tuple[np.ndarray, np.ndarray, Any]:
         """A tensor as the file stores it, the weights that holds and its block type (None:
-        F32): a matrix in its type (types'), the rest F32."""
-        qtype = (types or {}).get(name.split(".")[-2], gguf.GGMLQuantizationType.F32)
+        F32): a matrix in its kind's type (types'; the kind read from the name unless given),
+        the rest F32."""
+        kind = kind or name.split(".")[-2]
+        qtype = (types or {}).get(kind, gguf.GGMLQuantizationType.F32)
         if w.ndim != 2 or qtype == gguf.GGMLQuantizationType.F32:
             return np.ascontiguousarray(w), w, None
         if qtype in K_QUANT_RANGE:
@@ -310,7 +315,8 @@ def write_gguf(path: str, model: transformers.PreTrainedModel, *,
             kinds = _GGUF_EXPERTS[m.group(2)]
             for kind, part in zip(kinds, tensor.chunk(len(kinds), dim=1)):  # (gate, up)
                 name = f"blk.{m.group(1)}.{kind}.weight"
-                each = [stored(f"{name}.{e}", rows.numpy()) for e, rows in enumerate(part)]
+                each = [stored(f"{name}.{e}", rows.numpy(), kind)
+                        for e, rows in enumerate(part)]
                 writer.add_tensor(name, np.stack([data for data, _, _ in each]),
                                   raw_dtype=each[0][2])
                 if sync:

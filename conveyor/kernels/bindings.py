@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -16,6 +17,9 @@ import torch.nn.functional as F
 from conveyor.kernels.activations import K_QUANTS
 from conveyor.kernels.blocks import BLOCK_TYPES, DENSE_TYPES, WIDE_SCALARS, QuantizedWeight
 from conveyor.kernels.signatures import bind
+
+if TYPE_CHECKING:
+    from conveyor.kernels.experts import MoEKernel
 
 SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 
@@ -343,6 +347,17 @@ class _Matrix(ctypes.Structure):
     _fields_ = [("run", _Run * MAX_RUNS), ("runs", ctypes.c_int32)]
 
 
+def matrix(runs: tuple[QuantizedWeight, ...], dtype: torch.dtype) -> _Matrix:
+    """A linear's runs as the C side reads them (csrc/stack.h)."""
+    assert len(runs) <= _Matrix.MAX_RUNS  # (none: a layer whose experts replace them)
+    for w in runs:
+        assert w.blocks.stride(1) == 1
+        assert w.wide == (dtype == torch.bfloat16 and w.ggml_type in WIDE_SCALARS)
+    return _Matrix((_Run * _Matrix.MAX_RUNS)(*[
+        _Run(w.blocks.data_ptr(), w.blocks.stride(0), w.ggml_type, w.blocks.shape[0])
+        for w in runs]), len(runs))
+
+
 class _Layer(ctypes.Structure):
     _fields_ = [("attention_norm", ctypes.c_void_p), ("ffn_norm", ctypes.c_void_p),
                 ("wqkv", _Matrix), ("wo", _Matrix), ("w13", _Matrix), ("w2", _Matrix),
@@ -350,7 +365,7 @@ class _Layer(ctypes.Structure):
                 ("v_cache", ctypes.c_void_p), ("window", ctypes.c_int32),
                 ("rope", ctypes.c_int32), ("q_norm", ctypes.c_void_p),
                 ("k_norm", ctypes.c_void_p), ("post_attention_norm", ctypes.c_void_p),
-                ("post_ffn_norm", ctypes.c_void_p)]
+                ("post_ffn_norm", ctypes.c_void_p), ("experts", ctypes.c_void_p)]
 
 
 class _Shape(ctypes.Structure):
@@ -381,6 +396,7 @@ class StackLayer:
     k_norm: torch.Tensor | None = None
     post_attention_norm: torch.Tensor | None = None  # [hidden]: Gemma's after-norms
     post_ffn_norm: torch.Tensor | None = None
+    experts: MoEKernel | None = None  # the feed-forward's experts (then w13, w2 unused)
 
 
 class DecodeStack:
@@ -398,15 +414,6 @@ class DecodeStack:
         self.max_rows = max_rows
         self._fn = entry(lib, "decode_stack", dtype)
 
-        def matrix(runs: tuple[QuantizedWeight, ...]) -> _Matrix:
-            assert 1 <= len(runs) <= _Matrix.MAX_RUNS
-            for w in runs:
-                assert w.blocks.stride(1) == 1
-                assert w.wide == (dtype == torch.bfloat16 and w.ggml_type in WIDE_SCALARS)
-            return _Matrix((_Run * _Matrix.MAX_RUNS)(*[
-                _Run(w.blocks.data_ptr(), w.blocks.stride(0), w.ggml_type, w.blocks.shape[0])
-                for w in runs]), len(runs))
-
         def ptr(t: torch.Tensor | None) -> int | None:
             return None if t is None else t.data_ptr()
 
@@ -419,10 +426,11 @@ class DecodeStack:
                 assert kv_type(t, dtype, head_dim) == storage and t.is_contiguous()
             assert (layer.q_norm is None) == (layer.k_norm is None)
         self._layers = (_Layer * len(layers))(*[_Layer(
-            l.attention_norm.data_ptr(), l.ffn_norm.data_ptr(), matrix(l.wqkv), matrix(l.wo),
-            matrix(l.w13), matrix(l.w2), ptr(l.qkv_bias), l.k_cache.data_ptr(),
-            l.v_cache.data_ptr(), l.window or 0, l.rope, ptr(l.q_norm), ptr(l.k_norm),
-            ptr(l.post_attention_norm), ptr(l.post_ffn_norm)) for l in layers])
+            l.attention_norm.data_ptr(), l.ffn_norm.data_ptr(), *[
+                matrix(m, dtype) for m in (l.wqkv, l.wo, l.w13, l.w2)], ptr(l.qkv_bias),
+            l.k_cache.data_ptr(), l.v_cache.data_ptr(), l.window or 0, l.rope, ptr(l.q_norm),
+            ptr(l.k_norm), ptr(l.post_attention_norm), ptr(l.post_ffn_norm),
+            None if l.experts is None else l.experts.address) for l in layers])
         self.ropes = 1 + max(layer.rope for layer in layers)
         self._keep = layers  # the pointers above are into these tensors
         self.hidden = layers[0].attention_norm.shape[0]
@@ -452,8 +460,11 @@ class DecodeStack:
         assert slots.dtype == torch.int64 and slots.is_contiguous()
         assert block_tables.dtype == context_lens.dtype == torch.int32
         assert block_tables.stride(1) == 1 and context_lens.is_contiguous()
-        if self._scratch.numel() < rows * self._row_width:
-            self._scratch = torch.empty(rows * self._row_width, dtype=self.dtype)
+        width = rows * self._row_width + max(
+            (-(-layer.experts.scratch_bytes(rows) // self._scratch.element_size())
+             for layer in self._keep if layer.experts is not None), default=0)
+        if self._scratch.numel() < width:
+            self._scratch = torch.empty(width, dtype=self.dtype)
         cos = (ctypes.c_void_p * 2)(*[c.data_ptr() for c, _ in ropes[:2]])
         sin = (ctypes.c_void_p * 2)(*[s.data_ptr() for _, s in ropes[:2]])
         rc = self._fn(self._layers, len(self._keep), ctypes.byref(self._shape), h.data_ptr(),

@@ -18,6 +18,7 @@ from conveyor.kernels.bindings import (GLU_KERNELS, AddRMSNorm, ArgmaxRows, Deco
                                        DecodeStack, DequantRows, GatedMul, IntQuantLinear,
                                        QuantLinear, RopeKVWrite, SampleRows, StackLayer,
                                        has_entry)
+from conveyor.kernels.experts import MoEKernel
 from conveyor.kernels.signatures import bind
 
 logger = logging.getLogger("conveyor")
@@ -40,14 +41,22 @@ class CPUKernels:
     dequant_rows: DequantRows
     lib: ctypes.CDLL
 
-    def decode_stack(self, layers: list[StackLayer], **shape) -> DecodeStack:
-        """The one-call layer stack over these layers (its linears as quant_linear's)."""
+    def _linear_routing(self) -> dict:
+        """How quant_linear routes a call, for the C code that calls the block linears."""
         linear = self.quant_linear
         integer = ({"levels": linear.levels, "int_rows": linear.int_rows,
                     "superblock_rows": linear.superblock_rows}
                    if isinstance(linear, IntQuantLinear) else {})
-        return DecodeStack(self.lib, self.dtype, layers, max_rows=linear.max_rows, **integer,
-                           invariant=linear.invariant, **shape)
+        return {"max_rows": linear.max_rows, "invariant": linear.invariant, **integer}
+
+    def decode_stack(self, layers: list[StackLayer], **shape) -> DecodeStack:
+        """The one-call layer stack over these layers (its linears as quant_linear's)."""
+        return DecodeStack(self.lib, self.dtype, layers, **self._linear_routing(), **shape)
+
+    def moe(self, router: torch.Tensor, w13: list, w2: list, **shape) -> MoEKernel:
+        """One layer's experts in one call (their linears as quant_linear's)."""
+        return MoEKernel(self.lib, self.dtype, router, w13, w2, **self._linear_routing(),
+                         **shape)
 
 
 @functools.cache

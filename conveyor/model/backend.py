@@ -51,6 +51,7 @@ def apply_backend(model: Transformer, weights: dict[str, torch.Tensor],
         _use_all_reduce(model, all_reduce)
     if kernels is not None:
         _use_elementwise_kernels(model, kernels)
+        _use_moe_kernel(model, kernels)
         if all_reduce is None:
             _use_decode_stack(model, kernels, kv_caches)
 
@@ -157,6 +158,7 @@ def _use_all_reduce(model: Transformer, all_reduce: Callable[[torch.Tensor], Non
     for layer in model.layers:
         layer.all_reduce = all_reduce
 
+
 def _use_elementwise_kernels(model: Transformer, kernels: CPUKernels) -> None:
     """Run the residual-stream norms (not the per-head q/k norms) and SiLU(gate) * up with the
     CPU kernels. GeGLU stays PyTorch's here: the C kernel is scalar, and at Gemma's widths
@@ -171,14 +173,31 @@ def _use_elementwise_kernels(model: Transformer, kernels: CPUKernels) -> None:
                 feed_forward.gated_mul = kernels.gated_mul["silu"]
     model.norm.fused = kernels.add_rms_norm
 
+
+def _use_moe_kernel(model: Transformer, kernels: CPUKernels) -> None:
+    """Each layer's router and experts in one call (SparseMoE.kernel), where every expert's
+    linears are read from their blocks."""
+    for layer in model.layers:
+        moe = layer.feed_forward
+        if not isinstance(moe, SparseMoE) or any(
+                linear.quantized is None for e in moe.experts for linear in (e.w13, e.w2)):
+            continue
+        moe.kernel = kernels.moe(moe.router, [e.w13.quantized for e in moe.experts],
+                                 [e.w2.quantized for e in moe.experts], used=moe.used,
+                                 norm_topk=moe.norm_topk, act=moe.experts[0].act)
+
+
 def _use_decode_stack(model: Transformer, kernels: CPUKernels,
                       kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
     """Run a step of a few decodes through all layers in one kernel call, when every layer
     is what that kernel computes: whole heads rotated, every linear in GGUF blocks, no output
-    bias, a dense feed-forward (q/k norms, windows, Gemma's after-norms, GeGLU and soft cap it
-    takes)."""
+    bias, a dense feed-forward or experts on their kernel without a shared expert (q/k norms,
+    windows, Gemma's after-norms, GeGLU and soft cap it takes)."""
     linears = [m for layer in model.layers for m in layer.modules() if isinstance(m, Linear)]
-    if (model.config.rotary_dim is not None or model.config.moe is not None
+    moe = model.config.moe
+    if (model.config.rotary_dim is not None
+            or (moe is not None and (moe.shared_intermediate or any(
+                layer.feed_forward.kernel is None for layer in model.layers)))
             or model.config.qk_norm_whole or any(m.quantized is None for m in linears)
             or any(layer.attention.wo.bias is not None for layer in model.layers)
             or any(layer.attention.rope > 1 for layer in model.layers)):  # (it takes two)
@@ -188,14 +207,21 @@ def _use_decode_stack(model: Transformer, kernels: CPUKernels,
     def weight(norm: RMSNorm | None) -> torch.Tensor | None:
         return None if norm is None else norm.weight
 
+    def feed_forward(layer: nn.Module) -> dict:
+        ff = layer.feed_forward
+        if isinstance(ff, SparseMoE):
+            return {"w13": (), "w2": (), "experts": ff.kernel}
+        return {"w13": ff.w13.quantized, "w2": ff.w2.quantized}
+
     model.decode_stack = kernels.decode_stack(
         [StackLayer(layer.attention_norm.weight, layer.ffn_norm.weight,
                     layer.attention.wqkv.quantized, layer.attention.wo.quantized,
-                    layer.feed_forward.w13.quantized, layer.feed_forward.w2.quantized,
-                    layer.attention.wqkv.bias, *kv_cache, layer.attention.scores.window,
-                    layer.attention.rope, weight(layer.attention.q_norm),
-                    weight(layer.attention.k_norm),
-                    weight(layer.post_attention_norm), weight(layer.post_ffn_norm))
+                    qkv_bias=layer.attention.wqkv.bias, k_cache=kv_cache[0],
+                    v_cache=kv_cache[1], window=layer.attention.scores.window,
+                    rope=layer.attention.rope, q_norm=weight(layer.attention.q_norm),
+                    k_norm=weight(layer.attention.k_norm),
+                    post_attention_norm=weight(layer.post_attention_norm),
+                    post_ffn_norm=weight(layer.post_ffn_norm), **feed_forward(layer))
          for layer, kv_cache in zip(model.layers, kv_caches)],
         heads=c.num_heads, kv_heads=c.num_kv_heads, head_dim=c.head_dim,
         intermediate=c.intermediate_size, eps=c.rms_norm_eps, scale=c.attention_scale,

@@ -8,7 +8,8 @@ feed-forward is a router and a set of experts, as transformers computes it.
   model's are: from their GGUF blocks by the CPU kernels, views of the file's map.
 - A step's (token, expert) pairs are grouped by expert, so that every chosen expert runs once
   over all its rows, the experts in ascending order, each one's weighted output added to its
-  tokens' sums: the order transformers adds them in.
+  tokens' sums: the order transformers adds them in. On the CPU kernels the router and the
+  experts are one call (``kernel``), the experts side by side across threads.
 - Qwen2-MoE's shared expert runs on every token, its output scaled by sigmoid(x . w).
 """
 
@@ -18,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from conveyor.kernels.experts import MoEKernel
 from conveyor.model.config import ModelConfig
 from conveyor.model.model import FeedForward, Linear, Transformer, TransformerBlock
 
@@ -44,6 +46,10 @@ class Route:
 
 
 class SparseMoE(nn.Module):
+    # the CPU kernel of the router and the experts, one call a step (csrc/moe_ffn.c), when
+    # attached; steps it does not take (kernel.takes) run the loop below
+    kernel: MoEKernel | None = None
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         moe = config.moe
@@ -65,10 +71,13 @@ class SparseMoE(nn.Module):
         return Route(weights, chosen, len(self.experts))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = torch.zeros_like(x)
-        for expert, tokens, weights in self.route(x).groups():
-            y = self.experts[expert](x[tokens])
-            out.index_add_(0, tokens, (y * weights[:, None]).to(out.dtype))
+        if self.kernel is not None and self.kernel.takes(x.shape[0]):
+            out = self.kernel(x)
+        else:
+            out = torch.zeros_like(x)
+            for expert, tokens, weights in self.route(x).groups():
+                y = self.experts[expert](x[tokens])
+                out.index_add_(0, tokens, (y * weights[:, None]).to(out.dtype))
         if self.shared_expert is not None:
             out += torch.sigmoid(self.shared_gate(x)) * self.shared_expert(x)
         return out

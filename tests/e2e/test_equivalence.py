@@ -22,6 +22,7 @@ from conveyor.kernels import bindings, isa
 
 from equivalence import (BF16_TIE, BF16_TOKENS, check_model, compare, reference,
                          run_conveyor)
+from tiny_models import EXPERT_MIX
 
 
 NATIVE = isa.current().detected
@@ -135,7 +136,7 @@ def tiny_paths(tmp_path_factory):
 # head_dim of its own, partial rotary, windows with a local rope, soft caps. The static policy,
 # a scheduling matter, runs on the GGUF models (above and below), not on each checkpoint.
 LOWER_TIERS_TINY = ("llama", "llama-bf16", "qwen2-fp16", "qwen3", "phi3-partial-longrope",
-                    "phi3-longrope-switch", "gemma2", "gemma3", "qwen2_moe")
+                    "phi3-longrope-switch", "gemma2", "gemma3", "qwen2_moe", "qwen3_moe")
 TINY_RUNS = [pytest.param(name, *path.values, id=f"{name}-{path.id}") for name in TINY
              for path in PATHS if path.values[1] == "continuous"
              and (path.values[0] in (NATIVE, "pytorch") or name in LOWER_TIERS_TINY)]
@@ -148,10 +149,10 @@ def test_tiny_checkpoints_match_transformers(tiny_paths, on_path, name, path, po
 
 
 @pytest.mark.parametrize("name", ["gemma2", "gemma3", "qwen3", "mistral-window", "qwen2-window",
-                                  "smollm3"])
+                                  "smollm3", "mixtral", "qwen3_moe"])
 def test_these_families_decode_in_one_call(tiny_paths, name):
-    """The decode stack takes their q/k norms, windows, Gemma's after-norms, GeGLU and soft
-    cap, so the equivalence above covers it at every kernel tier."""
+    """The decode stack takes their q/k norms, windows, Gemma's after-norms, GeGLU, soft cap
+    and experts, so the equivalence above covers it at every kernel tier."""
     llm = LLM(model=tiny_paths[name], dtype="float32", num_kv_blocks=8)
     try:
         assert llm.engine.runner.model.decode_stack is not None
@@ -218,8 +219,7 @@ def test_a_type_the_kernels_do_not_read_runs_dense(k_quant_gguf, monkeypatch, ca
 FAMILY_MIX = {**K_MIX, "attn_output": Q.Q8_0, "attn_qkv": Q.Q4_K}
 # The mixtures of experts: their experts' gate in Q4_K, up in Q8_0, down in Q6_K; Qwen2-MoE's
 # shared expert in Q4_K and Q8_0; the routers in F32, as llama.cpp's quantizer keeps them.
-MOE_MIX = {**FAMILY_MIX, "ffn_gate_exps": Q.Q4_K, "ffn_up_exps": Q.Q8_0,
-           "ffn_down_exps": Q.Q6_K, "ffn_gate_shexp": Q.Q4_K, "ffn_up_shexp": Q.Q8_0,
+MOE_MIX = {**FAMILY_MIX, **EXPERT_MIX, "ffn_gate_shexp": Q.Q4_K, "ffn_up_shexp": Q.Q8_0,
            "ffn_down_shexp": Q.Q8_0}
 GGUF_FAMILIES = {
     "gemma2": dict(head_dim=64, query_pre_attn_scalar=64, sliding_window=24),

@@ -503,18 +503,36 @@ def block_linear_rows(model) -> int:
                if isinstance(m, Linear) and m.quant_linear is not None)
 
 
-@pytest.mark.parametrize("mode,kv", [("none", "auto"), ("int8", "auto"), ("none", "int8")])
-def test_decode_stack_matches_the_layers(monkeypatch, default_gguf_path, native_dtype, mode, kv):
+@pytest.fixture(scope="module")
+def moe_gguf_path(tmp_path_factory) -> str:
+    """A tiny Qwen3-MoE GGUF (8 experts, 2 a token), its experts in llama.cpp's K-quant mix."""
+    from tiny_models import EXPERT_MIX, TINY_VOCAB, make_tiny_model, write_gguf
+
+    model = make_tiny_model("qwen3_moe", vocab_size=len(TINY_VOCAB), hidden_size=256,
+                            head_dim=64, intermediate_size=512, moe_intermediate_size=256)
+    path = tmp_path_factory.mktemp("moe") / "qwen3_moe.gguf"
+    return write_gguf(str(path), model, tokenizer=True, sync=True,
+                      types={**EXPERT_MIX, "attn_q": Q.Q8_0, "attn_k": Q.Q8_0,
+                             "attn_v": Q.Q8_0, "attn_output": Q.Q8_0, "token_embd": Q.Q8_0,
+                             "output": Q.Q8_0})
+
+
+@pytest.mark.parametrize("network,mode,kv", [
+    ("dense", "none", "auto"), ("dense", "int8", "auto"), ("dense", "none", "int8"),
+    ("moe", "none", "auto"), ("moe", "int8", "auto")])
+def test_decode_stack_matches_the_layers(monkeypatch, request, native_dtype, network, mode, kv):
     """Each step, the prompts' (their tokens as queries of their own, causal by context length)
     and then a few decodes', runs through both the one-call stack and the layers one by one, on
     the same inputs: the same hidden states up to rare one-step bfloat16 differences (SiLU's
     float32 exp and division, as C and PyTorch compute them, can round apart), or float32's.
     With int8 activations, as many decodes as its integer linears take; with an int8 KV cache,
-    both read the same quantized rows."""
+    both read the same quantized rows. The default model, and a mixture of experts (whose
+    layers one by one call the same experts' kernel as the stack)."""
     from conveyor import LLM, SamplingParams
     from conveyor.model.model import Transformer
 
-    llm = LLM(model=default_gguf_path, dtype=str(native_dtype).removeprefix("torch."),
+    path = request.getfixturevalue("default_gguf_path" if network == "dense" else "moe_gguf_path")
+    llm = LLM(model=path, dtype=str(native_dtype).removeprefix("torch."),
               max_num_seqs=8, activation_quant=mode, kv_cache_dtype=kv)
     assert llm.engine.runner.model.decode_stack is not None
     forward, compared = Transformer.forward, []

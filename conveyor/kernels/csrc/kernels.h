@@ -10,6 +10,7 @@
 
 struct Layer;  /* decode_stack.c: a decoder layer's weights and caches */
 struct Shape;  /* decode_stack.c: the model's sizes */
+struct Experts;  /* moe_ffn.c: a layer's router and experts */
 
 /* The entries of one dtype: T its suffix, E its element (bfloat16's bits as uint16_t). */
 #define CONVEYOR_KERNELS(T, E) \
@@ -35,6 +36,8 @@ int paged_decode_attention_##T(const E *q, int64_t q_stride, const void *k_cache
                                int64_t out_stride, int n, int num_heads, int num_kv_heads, \
                                int head_dim, int block_size, float scale, int window, \
                                float cap, int threads); \
+int moe_ffn_##T(const struct Experts *e, const struct Shape *s, const E *x, int64_t x_stride, \
+                E *out, int64_t out_stride, int rows, void *scratch, int threads); \
 int decode_stack_##T(const struct Layer *layers, int num_layers, const struct Shape *s, \
                      void *h, void *residual, int rows, const void *const *cos, \
                      const void *const *sin, const int64_t *slots, const int32_t *block_tables, \
