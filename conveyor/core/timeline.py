@@ -45,10 +45,14 @@ class StepRecord:
     # the plan's broadcast, the logits' gather)
     all_reduce_seconds: float = 0.0
     communication_seconds: float = 0.0
+    # mixtures of experts: the step's time in the MoE layers (router and experts), and the
+    # distinct experts a layer ran, on average over the layers
+    moe_seconds: float = 0.0
+    moe_experts: float = 0.0
 
     @classmethod
     def of(cls, step: int, time: float, duration: float, scheduler: Scheduler,
-           plan: SchedulerOutput, **communication: float) -> StepRecord:
+           plan: SchedulerOutput, **measured: float) -> StepRecord:
         """The record of a step the scheduler planned as ``plan``, taken after its update (the
         engine's steps and the simulator's alike)."""
         pool = scheduler.kv.pool
@@ -60,7 +64,7 @@ class StepRecord:
                    num_attention_pairs=plan.num_attention_pairs,
                    kv_pages_used=pool.num_used_blocks,
                    kv_pages_cached=pool.num_cached_free_blocks,
-                   num_preemptions=len(plan.preempted), **communication)
+                   num_preemptions=len(plan.preempted), **measured)
 
 
 @dataclass(frozen=True)

@@ -254,11 +254,17 @@ class LLMEngine:
             self.output_processor.preempted(victim)
         tp = self.tensor_parallel
         before = (0.0, 0.0) if tp is None else (tp.all_reduce_seconds, tp.communication_seconds)
+        moe = getattr(getattr(self.runner, "model", None), "moe_stats", None)
+        moe_before = None if moe is None else moe.tolist()
         ran = self.runner.execute(sched)
         now = time.monotonic()
-        talk = {} if tp is None else dict(
+        measured = {} if tp is None else dict(
             all_reduce_seconds=tp.all_reduce_seconds - before[0],
             communication_seconds=tp.communication_seconds - before[1])
+        if moe is not None:
+            (ns, experts), layers = moe.tolist(), self.runner.model.config.num_layers
+            measured.update(moe_seconds=(ns - moe_before[0]) / 1e9,
+                            moe_experts=(experts - moe_before[1]) / layers)
         self.timeline.record_step(self.num_steps, start, now, sched.scheduled, sched.preempted)
         advanced = self.scheduler.update_from_output(
             sched, {rid: r.token_id for rid, r in ran.samples.items() if r.error is None}, now)
@@ -266,6 +272,6 @@ class LLMEngine:
         outputs = self.output_processor.process(sched, ran, advanced, now)
         end = time.monotonic()
         self.steps.append(StepRecord.of(self.num_steps, end, end - start, self.scheduler, sched,
-                                        **talk))
+                                        **measured))
         self.num_steps += 1
         return outputs

@@ -19,7 +19,7 @@ class _Experts(ctypes.Structure):
     _fields_ = [("router", ctypes.c_void_p), ("w13", ctypes.c_void_p), ("w2", ctypes.c_void_p),
                 ("experts", ctypes.c_int32), ("used", ctypes.c_int32),
                 ("intermediate", ctypes.c_int32), ("norm_topk", ctypes.c_int32),
-                ("max_rows", ctypes.c_int32)]
+                ("max_rows", ctypes.c_int32), ("stats", ctypes.c_void_p)]
 
 
 class MoEKernel:
@@ -29,11 +29,13 @@ class MoEKernel:
 
     def __init__(self, lib: ctypes.CDLL, dtype: torch.dtype, router: torch.Tensor,
                  w13: list[tuple[QuantizedWeight, ...]], w2: list[tuple[QuantizedWeight, ...]],
-                 *, used: int, norm_topk: bool, act: str, max_rows: int, levels: int = 0,
-                 int_rows: int = 0, superblock_rows: bool = False,
+                 *, used: int, norm_topk: bool, act: str, stats: torch.Tensor, max_rows: int,
+                 levels: int = 0, int_rows: int = 0, superblock_rows: bool = False,
                  invariant: bool = False) -> None:
-        """router: [experts, hidden] float32; w13, w2: each expert's runs."""
+        """router: [experts, hidden] float32; w13, w2: each expert's runs; stats: int64 [2],
+        to which each call adds its nanoseconds and the distinct experts it ran."""
         assert router.dtype == torch.float32 and router.is_contiguous()
+        assert stats.dtype == torch.int64 and stats.shape == (2,) and stats.device.type == "cpu"
         assert len(w13) == len(w2) == router.shape[0]
         self.dtype = dtype
         self.experts, self.hidden = router.shape
@@ -45,15 +47,16 @@ class MoEKernel:
         self._w2 = (_Matrix * self.experts)(*[matrix(runs, dtype) for runs in w2])
         self._experts = _Experts(router.data_ptr(), ctypes.addressof(self._w13),
                                  ctypes.addressof(self._w2), self.experts, used,
-                                 self.intermediate, int(norm_topk), self.max_rows)
+                                 self.intermediate, int(norm_topk), self.max_rows,
+                                 stats.data_ptr())
         self._shape = _Shape(hidden=self.hidden, intermediate=self.intermediate,
                              gelu=int(act == "gelu_pytorch_tanh"), levels=levels,
                              int_rows=int_rows, superblock_rows=int(superblock_rows),
                              invariant=int(invariant))
         self.address = ctypes.addressof(self._experts)
+        self.stats = stats
         self._keep = router, w13, w2  # the pointers above are into these tensors
         self._scratch = torch.empty(0, dtype=torch.uint8)
-        self.distinct = 0  # the experts the last call ran
 
     def takes(self, rows: int) -> bool:
         """Whether a step of ``rows`` rows runs here: where its experts' rows are, on average,
@@ -82,8 +85,7 @@ class MoEKernel:
                       self._scratch.data_ptr(), torch.get_num_threads())
         if rc == -2:
             raise MemoryError("moe_ffn: no memory for a kernel's scratch")
-        if rc < 0:
+        if rc != 0:
             raise ValueError(f"moe_ffn: a block type or shape it does not handle ({rc})")
-        self.distinct = rc
         return out
 

@@ -184,7 +184,8 @@ def _use_moe_kernel(model: Transformer, kernels: CPUKernels) -> None:
             continue
         moe.kernel = kernels.moe(moe.router, [e.w13.quantized for e in moe.experts],
                                  [e.w2.quantized for e in moe.experts], used=moe.used,
-                                 norm_topk=moe.norm_topk, act=moe.experts[0].act)
+                                 norm_topk=moe.norm_topk, act=moe.experts[0].act,
+                                 stats=moe.stats)
 
 
 def _use_decode_stack(model: Transformer, kernels: CPUKernels,

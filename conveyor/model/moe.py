@@ -15,6 +15,8 @@ feed-forward is a router and a set of experts, as transformers computes it.
 
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -50,8 +52,11 @@ class SparseMoE(nn.Module):
     # attached; steps it does not take (kernel.takes) run the loop below
     kernel: MoEKernel | None = None
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, stats: torch.Tensor | None = None) -> None:
+        """stats: the network's MoE totals (MoETransformer.moe_stats), which this adds to
+        (its own where not given)."""
         super().__init__()
+        self.stats = torch.zeros(2, dtype=torch.int64, device="cpu") if stats is None else stats
         moe = config.moe
         self.used, self.norm_topk = moe.used, moe.norm_topk
         # [experts, hidden], float32 (placed by apply_backend)
@@ -71,25 +76,38 @@ class SparseMoE(nn.Module):
         return Route(weights, chosen, len(self.experts))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        start = time.perf_counter_ns()
         if self.kernel is not None and self.kernel.takes(x.shape[0]):
-            out = self.kernel(x)
+            out = self.kernel(x)  # (which adds its own time and experts to the stats)
+            start = time.perf_counter_ns()
         else:
             out = torch.zeros_like(x)
-            for expert, tokens, weights in self.route(x).groups():
+            route = self.route(x)
+            for expert, tokens, weights in route.groups():
                 y = self.experts[expert](x[tokens])
                 out.index_add_(0, tokens, (y * weights[:, None]).to(out.dtype))
+            self.stats[1] += sum(n > 0 for n in route.counts)
         if self.shared_expert is not None:
             out += torch.sigmoid(self.shared_gate(x)) * self.shared_expert(x)
+        self.stats[0] += time.perf_counter_ns() - start
         return out
 
 
 class MoEBlock(TransformerBlock):
     """The shared block with the experts for its feed-forward."""
 
-    def __init__(self, config: ModelConfig, layer: int) -> None:
+    def __init__(self, config: ModelConfig, layer: int, stats: torch.Tensor) -> None:
         super().__init__(config, layer)
-        self.feed_forward = SparseMoE(config)
+        self.feed_forward = SparseMoE(config, stats)
 
 
 class MoETransformer(Transformer):
-    block = MoEBlock
+    def __init__(self, config: ModelConfig, head_rows: int | None = None) -> None:
+        # What the MoE layers have done so far, all of them: nanoseconds, and the distinct
+        # experts each layer ran, summed (a step's share of them: the engine's StepRecord).
+        # On the CPU whatever device the network is built on.
+        self.moe_stats = torch.zeros(2, dtype=torch.int64, device="cpu")
+        super().__init__(config, head_rows)
+
+    def block(self, config: ModelConfig, layer: int) -> MoEBlock:
+        return MoEBlock(config, layer, self.moe_stats)

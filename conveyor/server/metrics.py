@@ -105,6 +105,11 @@ class ServerMetrics:
         self.iteration_tokens = histogram("iteration_tokens_total",
                                           "Tokens scheduled in each engine step.",
                                           token_buckets(1 << 14))
+        self.moe_seconds = counter("moe_layer_seconds", "Time in the mixture-of-experts layers "
+                                   "(router and experts), all of them (MoE models only).")
+        self.moe_experts = histogram("iteration_moe_experts", "Distinct experts a MoE layer ran "
+                                     "in each engine step, on average over the layers (MoE "
+                                     "models only).", token_buckets(1 << 10))
         self._steps_seen = 0
 
     def observe_engine(self, engine) -> None:
@@ -113,6 +118,9 @@ class ServerMetrics:
         new = min(engine.num_steps - self._steps_seen, len(engine.steps))
         for step in itertools.islice(reversed(engine.steps), new):
             self.iteration_tokens.observe(step.num_prefill_tokens + step.num_decode_tokens)
+            if step.moe_experts:
+                self.moe_seconds.inc(step.moe_seconds)
+                self.moe_experts.observe(step.moe_experts)
         self._steps_seen = engine.num_steps
         sched = engine.scheduler
         self.running.set(len(sched.running))

@@ -113,3 +113,49 @@ def test_quantizing_a_folder_leaves_the_routers_in_float32(tmp_path):
     assert torch.equal(quantized.weights[router], plain.weights[router])
     expert = quantized.quantized["layers.0.feed_forward.experts.5.w1.weight"]
     assert expert.ggml_type == gguf.GGMLQuantizationType.Q8_0
+
+
+@pytest.mark.parametrize("path", ["kernels", "pytorch"])
+def test_steps_record_the_moe_layers_time_and_experts(tmp_path, monkeypatch, path):
+    """A request decoding alone runs exactly `used` experts a layer each step; the step
+    records (/v1/engine/steps) and /metrics carry the MoE layers' time and experts, on the
+    one-call kernel and on the PyTorch loop alike."""
+    from conveyor import LLM, SamplingParams
+    from conveyor.kernels import isa
+    from conveyor.server.metrics import ServerMetrics
+
+    if path == "pytorch":
+        monkeypatch.setenv("CONVEYOR_CPU_KERNELS", "off")
+    isa.current.cache_clear()
+    folder = make_tiny_checkpoint(tmp_path, "qwen3_moe")  # 8 experts, 2 a token
+    llm = LLM(model=folder, dtype="float32", num_kv_blocks=16)
+    try:
+        moe = llm.engine.runner.model.layers[0].feed_forward
+        assert (moe.kernel is not None) == (path == "kernels")
+        llm.generate(["Hello there"], SamplingParams(temperature=0, max_tokens=6,
+                                                     ignore_eos=True), use_tqdm=False)
+        steps = list(llm.engine.steps)
+        decodes = [s for s in steps if s.num_prefill_tokens == 0]
+        assert decodes and all(s.moe_experts == 2 for s in decodes)
+        assert all(0 < s.moe_seconds < s.duration for s in steps)
+        assert all(2 <= s.moe_experts <= 8 for s in steps)
+        metrics = ServerMetrics("m")
+        metrics.observe_engine(llm.engine)
+        assert metrics.snapshot()["moe_layer_seconds_total"] == pytest.approx(
+            sum(s.moe_seconds for s in steps))
+        assert f'conveyor:iteration_moe_experts_count{{model_name="m"}} {len(steps)}.0' in \
+            metrics.exposition().decode()
+    finally:
+        llm.engine.shutdown()
+        isa.current.cache_clear()
+
+
+def test_a_dense_models_steps_record_no_moe_layers(default_gguf_path):
+    from conveyor import LLM, SamplingParams
+
+    llm = LLM(model=default_gguf_path, num_kv_blocks=16)
+    try:
+        llm.generate(["Hi"], SamplingParams(max_tokens=2), use_tqdm=False)
+        assert all(s.moe_seconds == 0 and s.moe_experts == 0 for s in llm.engine.steps)
+    finally:
+        llm.engine.shutdown()

@@ -7,6 +7,7 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+#include <time.h>
 
 #include "kernels.h"
 #ifdef _OPENMP
@@ -156,6 +157,12 @@ static inline void kv_quantize(const void *x, int64_t at, int dim, int bf16, voi
     for (int i = 0; i < dim; i++)
         q[i] = scale > 0.0f ? (int8_t)nearbyintf(elem_load(x, at + i, bf16) / scale) : 0;
     memcpy(q + dim, &scale, sizeof scale);
+}
+
+static inline double monotonic_seconds(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return t.tv_sec + 1e-9 * t.tv_nsec;
 }
 
 /* The shared bodies are inlined into each dtype's entry point. */

@@ -70,8 +70,7 @@ static ALWAYS_INLINE int decode_stack(const Layer *layers, int num_layers, const
         if (l->experts != NULL) {  /* (its scratch after the dense feed-forward's) */
             rc = BY_DTYPE(moe_ffn, l->experts, s, x, hid, h, hid, rows,
                           gu + elem * rows * 2 * inter, threads);
-            if (rc < 0) break;
-            rc = 0;
+            if (rc) break;
         } else {
             rc = matrix_linear(x, hid, &l->w13, NULL, gu, 2 * inter, rows, hid, s, threads,
                                bf16);

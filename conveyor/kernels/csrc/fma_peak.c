@@ -2,7 +2,6 @@
  * chains of FMAs in registers on every thread (enough to cover the FMA units' latency), no
  * memory traffic. What benchmarks set the kernels' rates against. */
 #include <stdint.h>
-#include <time.h>
 #ifdef __AVX2__
 #include <immintrin.h>
 #endif
@@ -11,17 +10,11 @@
 
 #define CHAINS 12
 
-static double now(void) {
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return t.tv_sec + 1e-9 * t.tv_nsec;
-}
-
 /* Seconds `threads` threads take for `iters` rounds of CHAINS FMAs each; *flop gets the
  * floating-point operations done (2 a lane a multiply-add), *sink a result that keeps the
  * compiler from dropping the loop. */
 static double run(int threads, int64_t iters, double *flop, float *sink) {
-    const double t0 = now();
+    const double t0 = monotonic_seconds();
     float total = 0.0f;
     int width = 1;
     #pragma omp parallel num_threads(threads) reduction(+ : total)
@@ -56,7 +49,7 @@ static double run(int threads, int64_t iters, double *flop, float *sink) {
     }
     *sink = total;
     *flop = 2.0 * width * CHAINS * (double)iters * threads;
-    return now() - t0;
+    return monotonic_seconds() - t0;
 }
 
 /* GFLOP/s of float32 multiply-adds on `threads` threads, the best of `repeats` runs of about

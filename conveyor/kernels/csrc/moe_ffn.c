@@ -13,7 +13,9 @@
  *   over its rows (in pieces of the block linear's most rows), gate+up, act, down.
  * - Each row's sum over its experts in ascending expert order, each term w * y rounded to the
  *   model dtype and added in it: the index_add_ of the Python path, term by term.
+ * - Its time and the experts it ran added to the layer's stats (the step's /metrics).
  */
+
 #include <stdint.h>
 #include <string.h>
 
@@ -70,13 +72,14 @@ static ALWAYS_INLINE int run_expert(const Experts *e, const Shape *s, int ex, in
     return rc;
 }
 
-/* out: [rows, hidden] = the experts' weighted sum for x: [rows, hidden]. Returns the number
- * of distinct experts the step ran, or a failing kernel's (negative) code. */
+/* out: [rows, hidden] = the experts' weighted sum for x: [rows, hidden]. Returns 0, or a
+ * failing kernel's (negative) code. */
 static ALWAYS_INLINE int moe_ffn(const Experts *e, const Shape *s, const void *x,
                                  int64_t x_stride, void *out, int64_t out_stride, int rows,
                                  void *scratch, int threads, int bf16) {
     const int hid = s->hidden, experts = e->experts, used = e->used, pairs = rows * used;
     const size_t elem = bf16 ? 2 : 4;
+    const double begin = monotonic_seconds();
     char *at = scratch;
     float *probs = take(&at, sizeof(float) * rows * experts);
     float *weight = take(&at, sizeof(float) * pairs);      /* (row, slot) order */
@@ -165,7 +168,9 @@ static ALWAYS_INLINE int moe_ffn(const Experts *e, const Shape *s, const void *x
                                  + round_to(w * elem_load(y, j, bf16), bf16), bf16);
         }
     }
-    return groups;
+    e->stats[0] += (int64_t)(1e9 * (monotonic_seconds() - begin));
+    e->stats[1] += groups;
+    return 0;
 }
 
 #define ENTRY(T, E, BF16) \

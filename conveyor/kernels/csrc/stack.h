@@ -38,6 +38,8 @@ typedef struct Experts {
     int32_t experts, used, intermediate;
     int32_t norm_topk;                      /* the chosen weights renormalised to sum to 1 */
     int32_t max_rows;                       /* the rows a block-linear call takes */
+    int64_t *stats;                         /* added to by each call: its nanoseconds, and
+                                               the distinct experts it ran */
 } Experts;
 
 typedef struct Layer {
