@@ -431,6 +431,9 @@ class DecodeStack:
             l.k_cache.data_ptr(), l.v_cache.data_ptr(), l.window or 0, l.rope, ptr(l.q_norm),
             ptr(l.k_norm), ptr(l.post_attention_norm), ptr(l.post_ffn_norm),
             None if l.experts is None else l.experts.address) for l in layers])
+        # the MoE layers' experts, which share one shape (ModelConfig.moe): one sizes the scratch
+        self._experts = next((layer.experts for layer in layers if layer.experts is not None),
+                             None)
         self.ropes = 1 + max(layer.rope for layer in layers)
         self._keep = layers  # the pointers above are into these tensors
         self.hidden = layers[0].attention_norm.shape[0]
@@ -460,9 +463,9 @@ class DecodeStack:
         assert slots.dtype == torch.int64 and slots.is_contiguous()
         assert block_tables.dtype == context_lens.dtype == torch.int32
         assert block_tables.stride(1) == 1 and context_lens.is_contiguous()
-        width = rows * self._row_width + max(
-            (-(-layer.experts.scratch_bytes(rows) // self._scratch.element_size())
-             for layer in self._keep if layer.experts is not None), default=0)
+        width = rows * self._row_width + (
+            0 if self._experts is None
+            else -(-self._experts.scratch_bytes(rows) // self._scratch.element_size()))
         if self._scratch.numel() < width:
             self._scratch = torch.empty(width, dtype=self.dtype)
         cos = (ctypes.c_void_p * 2)(*[c.data_ptr() for c, _ in ropes[:2]])

@@ -41,7 +41,7 @@ class MoEKernel:
         self.experts, self.hidden = router.shape
         self.used = used
         self.intermediate = w2[0][0].in_features
-        self.max_rows = min(max_rows, 1 << 30)
+        self.max_rows = max_rows
         self._fn = entry(lib, "moe_ffn", dtype)
         self._w13 = (_Matrix * self.experts)(*[matrix(runs, dtype) for runs in w13])
         self._w2 = (_Matrix * self.experts)(*[matrix(runs, dtype) for runs in w2])

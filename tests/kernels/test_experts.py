@@ -30,7 +30,9 @@ EXPERTS, USED, HIDDEN, INTER = 6, 3, 256, 256
 
 
 def blocks(qtype, n: int, k: int, gen) -> tuple[QuantizedWeight, torch.Tensor]:
-    """Random blocks of qtype and the loader's float32 weights for them."""
+    """Random blocks of qtype and the loader's float32 weights for them, every row at one
+    scale (test_cpu_kernels.random_blocks spans binades a row, which the written-out layer's
+    float32 sums cannot follow to 1e-4 through SiLU and the weighted sum)."""
     scale = np.full(n, 0.2)
     if qtype == Q.Q8_0:
         b = gguf.quants.quantize((gen.standard_normal((n, k)) * 0.1).astype(np.float32), qtype)

@@ -7,8 +7,7 @@
  * the GGUF-block linears, the per-head q/k norms (Qwen3, Gemma 3), the fused rope + KV write,
  * the paged decode attention (its window, scale and soft cap), Gemma's norms after attention
  * and feed-forward, and act(gate) * up (or a layer's experts, moe_ffn.c) are the kernels that
- * path calls one by one. The same at
- * every tier; the kernels are the tier's.
+ * path calls one by one. The same at every tier; the kernels are the tier's.
  */
 #include <stdint.h>
 #include <string.h>
@@ -21,8 +20,7 @@
  * slots: [rows]; block_tables: [rows, table_stride]; context_lens: [rows]; scratch: rows x
  * (2 hidden + q + 2 kv + q + 2 intermediate) elements, then moe_ffn's where a layer has
  * experts (the caller keeps it: a fresh one a step of 2048 rows is 47 MB of pages to fault
- * in). Returns 0, or the first failing kernel's
- * code. */
+ * in). Returns 0, or the first failing kernel's code. */
 static ALWAYS_INLINE int decode_stack(const Layer *layers, int num_layers, const Shape *s,
                                       void *h, void *residual, int rows,
                                       const void *const *cos, const void *const *sin,
@@ -72,15 +70,7 @@ static ALWAYS_INLINE int decode_stack(const Layer *layers, int num_layers, const
                           gu + elem * rows * 2 * inter, threads);
             if (rc) break;
         } else {
-            rc = matrix_linear(x, hid, &l->w13, NULL, gu, 2 * inter, rows, hid, s, threads,
-                               bf16);
-            if (rc) break;
-            if (s->gelu)
-                BY_DTYPE(gelu_tanh_mul, gu, 2 * inter, rows, inter, threads);
-            else
-                BY_DTYPE(silu_mul, gu, 2 * inter, rows, inter, threads);
-            rc = matrix_linear(gu, 2 * inter, &l->w2, NULL, h, hid, rows, inter, s, threads,
-                               bf16);
+            rc = gated_ffn(x, hid, &l->w13, &l->w2, gu, h, hid, rows, inter, s, threads, bf16);
             if (rc) break;
         }
         if (l->post_ffn_norm != NULL)

@@ -50,7 +50,8 @@ static void choose(float *probs, int experts, int used, int norm_topk, int32_t *
         for (int u = 0; u < used; u++) weight[u] /= total;
 }
 
-/* Expert ex over its n gathered rows xs (ys: their outputs), threads for each kernel. */
+/* Expert ex over its n gathered rows xs (ys: their outputs), in pieces of the block linear's
+ * most rows, threads for each kernel. */
 static ALWAYS_INLINE int run_expert(const Experts *e, const Shape *s, int ex, int n,
                                     const char *xs, char *gu, char *ys, int threads, int bf16) {
     const int hid = s->hidden, inter = e->intermediate;
@@ -58,16 +59,9 @@ static ALWAYS_INLINE int run_expert(const Experts *e, const Shape *s, int ex, in
     int rc = 0;
     for (int m0 = 0; m0 < n && rc == 0; m0 += e->max_rows) {
         const int m = n - m0 < e->max_rows ? n - m0 : e->max_rows;
-        char *g = gu + elem * m0 * 2 * inter;
-        rc = matrix_linear(xs + elem * m0 * hid, hid, &e->w13[ex], NULL, g, 2 * inter, m, hid,
-                           s, threads, bf16);
-        if (rc) break;
-        if (s->gelu)
-            BY_DTYPE(gelu_tanh_mul, (void *)g, 2 * inter, m, inter, threads);
-        else
-            BY_DTYPE(silu_mul, (void *)g, 2 * inter, m, inter, threads);
-        rc = matrix_linear(g, 2 * inter, &e->w2[ex], NULL, ys + elem * m0 * hid, hid, m, inter,
-                           s, threads, bf16);
+        rc = gated_ffn(xs + elem * m0 * hid, hid, &e->w13[ex], &e->w2[ex],
+                       gu + elem * m0 * 2 * inter, ys + elem * m0 * hid, hid, m, inter, s,
+                       threads, bf16);
     }
     return rc;
 }
@@ -123,27 +117,19 @@ static ALWAYS_INLINE int moe_ffn(const Experts *e, const Shape *s, const void *x
     for (int p = 0; p < pairs; p++)
         memcpy(xs + elem * p * hid, (const char *)x + elem * pair_row[p] * x_stride, elem * hid);
 
-    /* the experts: one a thread where there are enough of them, else one at a time */
-    if (threads > 1 && groups >= 2 * threads) {
-        #pragma omp parallel for schedule(dynamic, 1) num_threads(threads) reduction(min: rc)
-        for (int ex = 0; ex < experts; ex++) {
-            const int64_t p = start[ex];
-            const int n = start[ex + 1] - start[ex];
-            if (n == 0) continue;
-            const int code = run_expert(e, s, ex, n, xs + elem * p * hid,
-                                        gu + elem * p * 2 * e->intermediate,
-                                        ys + elem * p * hid, 1, bf16);
-            rc = code < rc ? code : rc;
-        }
-    } else {
-        for (int ex = 0; ex < experts && rc == 0; ex++) {
-            const int64_t p = start[ex];
-            const int n = start[ex + 1] - start[ex];
-            if (n > 0)
-                rc = run_expert(e, s, ex, n, xs + elem * p * hid,
-                                gu + elem * p * 2 * e->intermediate, ys + elem * p * hid,
-                                threads, bf16);
-        }
+    /* the experts: one a thread where there are enough of them, else one at a time (the
+     * region inactive, so that each kernel's own threads run) */
+    const int apart = threads > 1 && groups >= 2 * threads;
+    #pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (apart) \
+        reduction(min: rc)
+    for (int ex = 0; ex < experts; ex++) {
+        const int64_t p = start[ex];
+        const int n = start[ex + 1] - start[ex];
+        if (n == 0) continue;
+        const int code = run_expert(e, s, ex, n, xs + elem * p * hid,
+                                    gu + elem * p * 2 * e->intermediate, ys + elem * p * hid,
+                                    apart ? 1 : threads, bf16);
+        rc = code < rc ? code : rc;
     }
     if (rc) return rc;
 

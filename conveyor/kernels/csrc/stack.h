@@ -87,4 +87,19 @@ static ALWAYS_INLINE int matrix_linear(const void *x, int64_t x_stride, const Ma
     return rc;
 }
 
+/* y = w2 (act(x w1^T) * (x w3^T)), w13 the fused gate and up rows: a dense feed-forward or one
+ * expert's. gu: [rows, 2 inter] of scratch. */
+static ALWAYS_INLINE int gated_ffn(const void *x, int64_t x_stride, const Matrix *w13,
+                                   const Matrix *w2, void *gu, void *y, int64_t y_stride,
+                                   int rows, int inter, const Shape *s, int threads, int bf16) {
+    int rc = matrix_linear(x, x_stride, w13, NULL, gu, 2 * inter, rows, s->hidden, s, threads,
+                           bf16);
+    if (rc) return rc;
+    if (s->gelu)
+        BY_DTYPE(gelu_tanh_mul, gu, 2 * inter, rows, inter, threads);
+    else
+        BY_DTYPE(silu_mul, gu, 2 * inter, rows, inter, threads);
+    return matrix_linear(gu, 2 * inter, w2, NULL, y, y_stride, rows, inter, s, threads, bf16);
+}
+
 #endif
