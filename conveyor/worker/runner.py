@@ -21,7 +21,7 @@ from conveyor.model.families import network
 from conveyor.model.kv_cache import head_bytes, head_width
 from conveyor.model.rope import longrope_switch, model_rope_tables
 from conveyor.worker.sampler import GrammarMask, Sampler, SampleResult, ranked_logprobs
-from conveyor.worker.sharding import ffn_granule, kv_heads_per_rank, plan_shards, shard_model
+from conveyor.worker.sharding import ffn_granules, kv_heads_per_rank, plan_shards, shard_model
 from conveyor.worker.step_plan import StepPlan, StepPlanner
 from conveyor.worker.tensor_parallel import TensorParallel
 
@@ -69,7 +69,7 @@ class ModelRunner:
         if tensor_parallel is not None:
             quantized = quantized or {}
             shards = plan_shards(config, tensor_parallel.world_size,
-                                 ffn_granule(config, quantized))
+                                 *ffn_granules(config, quantized))
             self.vocab_shares = [len(s.vocab) for s in shards]
             shard = shards[tensor_parallel.rank]
             config, weights, quantized = shard_model(config, weights, quantized, shard)

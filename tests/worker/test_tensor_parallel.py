@@ -1,6 +1,7 @@
 """Tensor parallelism over torch.distributed (gloo, local processes): the shard plan, greedy
-tokens with 2 ranks equal to 1 rank's (float32), the all-reduces a step makes and torchrun's
-launch (the server on 2 ranks: tests/server/test_server_two_ranks.py)."""
+tokens with 2 ranks equal to 1 rank's (float32; dense and mixtures of experts), the
+all-reduces a step makes and torchrun's launch (the server on 2 ranks:
+tests/server/test_server_two_ranks.py)."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from conveyor.process import free_port
 from conveyor.worker.sharding import _slice_blocks, kv_heads_per_rank, plan_shards
 
 from equivalence import random_prompts, run_conveyor, text_prompts
+from tiny_models import EXPERT_MIX, TINY_VOCAB, Q, make_tiny_model, write_gguf
 
 SMOLLM2 = ModelConfig("llama", 49152, 576, 1536, 30, 9, 3, 64, 1e-5, 1e4, None, 2048, True,
                       False, False, None)
@@ -34,12 +36,41 @@ def config(heads: int, kv_heads: int, intermediate: int) -> ModelConfig:
 
 
 # -- the plan ----------------------------------------------------------------------------------
-def test_a_mixture_of_experts_is_refused_on_two_ranks():
-    """(its experts' shards are not planned yet: refused by name, not split as a dense layer)"""
-    moe = dataclasses.replace(config(4, 2, 64), architecture="qwen3_moe",
-                              moe=MoE(experts=8, used=2, intermediate=32, norm_topk=True))
-    with pytest.raises(ValueError, match="not implemented for mixture-of-experts"):
-        plan_shards(moe, 2)
+def moe_config(intermediate: int, shared: int = 0, **overrides) -> ModelConfig:
+    return dataclasses.replace(config(4, 2, 64), **{"architecture": "qwen2_moe", **overrides},
+                               moe=MoE(experts=8, used=2, intermediate=intermediate,
+                                       norm_topk=False, shared_intermediate=shared))
+
+
+def test_olmoes_whole_projection_norms_are_refused_on_two_ranks():
+    """(a norm over all heads' q or k would need every rank's heads)"""
+    with pytest.raises(ValueError, match="not implemented for olmoe's q/k norms"):
+        plan_shards(moe_config(64, architecture="olmoe", qk_norm_whole=True), 2)
+
+
+def test_experts_too_narrow_for_the_ranks_are_refused():
+    """One block of 256 features cannot be cut between 2 ranks: refused, not left empty."""
+    with pytest.raises(ValueError, match="cannot be divided among 2"):
+        plan_shards(moe_config(256), 2, 256)
+    with pytest.raises(ValueError, match="cannot be divided among 2"):
+        plan_shards(moe_config(512, shared=32), 2, 256, 32)
+
+
+@given(units=st.integers(2, 16), shared_units=st.sampled_from([0, 2, 3, 16]),
+       ranks=st.integers(1, 2),
+       granule=st.sampled_from([1, 32, 256]), shared_granule=st.sampled_from([1, 32, 256]))
+def test_every_expert_feature_has_its_rank(units, shared_units, ranks, granule, shared_granule):
+    """Each expert's features (the same cut for every expert) and the shared expert's, each on
+    one rank, cut at their granules, the ranks' shares even to one unit where heads are."""
+    c = moe_config(units * granule, shared_units * shared_granule)
+    shards = plan_shards(c, ranks, granule, shared_granule)
+    for part, size, g in (("ffn", c.moe.intermediate, granule),
+                          ("shared", c.moe.shared_intermediate, shared_granule)):
+        ranges = [getattr(s, part) for s in shards]
+        assert [f for r in ranges for f in r] == list(range(size))
+        assert all(r.start % g == 0 for r in ranges)
+    sizes = [len(s.ffn) for s in shards]
+    assert max(sizes) - min(sizes) <= granule
 
 
 @given(kv_heads=st.integers(1, 8), group=st.integers(1, 4), ranks=st.integers(1, 8),
@@ -140,6 +171,43 @@ def test_tiny_checkpoints_two_ranks_equal_one(tiny_checkpoint, arch, policy):
     prompts = random_prompts(256)
     one = run_conveyor(path, prompts, policy)
     two = run_conveyor(path, prompts, policy, tensor_parallel_size=2)
+    assert sum(o.metrics.num_preemptions for o in two) > 0
+    assert tokens(two) == tokens(one)
+
+
+@pytest.fixture(scope="module")
+def qwen2_moe_gguf_path(tmp_path_factory) -> str:
+    """A tiny Qwen2-MoE GGUF whose experts and shared expert (in llama.cpp's K-quant mix, the
+    down projections' blocks of 256) are wide enough to cut between 2 ranks."""
+    model = make_tiny_model("qwen2_moe", vocab_size=len(TINY_VOCAB), hidden_size=256,
+                            head_dim=64, moe_intermediate_size=512,
+                            shared_expert_intermediate_size=512)
+    path = tmp_path_factory.mktemp("moe") / "qwen2_moe.gguf"
+    return write_gguf(str(path), model, tokenizer=True, sync=True,
+                      types={**EXPERT_MIX, "ffn_gate_shexp": Q.Q4_K, "ffn_up_shexp": Q.Q8_0,
+                             "ffn_down_shexp": Q.Q6_K, "attn_q": Q.Q8_0, "attn_k": Q.Q8_0,
+                             "attn_v": Q.Q8_0, "attn_output": Q.Q8_0})
+
+
+@pytest.mark.parametrize("source,policy", [("mixtral", "continuous"), ("gguf", "static")])
+def test_mixtures_of_experts_two_ranks_equal_one(request, tiny_checkpoint, source, policy):
+    """Every expert's features split between the ranks, the experts on their one-call kernel on
+    each rank: a tiny HF Mixtral (96 features: 64 and 32) and a Qwen2-MoE GGUF (its experts
+    and shared expert cut along their blocks)."""
+    if source == "gguf":
+        path, vocab, features = request.getfixturevalue("qwen2_moe_gguf_path"), len(TINY_VOCAB), 256
+    else:
+        path, vocab, features = tiny_checkpoint(source), 256, 64
+    prompts = random_prompts(vocab)
+
+    def check(llm):
+        check_all_reduces(llm)
+        for layer in llm.engine.runner.model.layers:  # (rank 0's shard)
+            assert layer.feed_forward.kernel is not None
+            assert all(e.intermediate == features for e in layer.feed_forward.experts)
+
+    one = run_conveyor(path, prompts, policy)
+    two = run_conveyor(path, prompts, policy, tensor_parallel_size=2, check=check)
     assert sum(o.metrics.num_preemptions for o in two) > 0
     assert tokens(two) == tokens(one)
 
