@@ -35,9 +35,12 @@ def run_worker(config: EngineConfig, rank: int | None = None, init_method: str |
                            rank_device(device, local_rank))
     loaded = load_model(resolve_model(config.model, config.revision), config.quantization)
     setup = group.receive()
-    runner = ModelRunner(loaded.config, loaded.weights, quantized=loaded.quantized,
-                         device=group.device, seed=config.seed, block_size=config.block_size,
-                         tensor_parallel=group, **setup)
+    try:
+        runner = ModelRunner(loaded.config, loaded.weights, quantized=loaded.quantized,
+                             device=group.device, seed=config.seed, block_size=config.block_size,
+                             tensor_parallel=group, **setup)
+    except ValueError:  # a model the shards cannot take: rank 0 says why, from the same plan
+        raise SystemExit(1) from None
     del loaded
     group.barrier()  # ready: rank 0 waits for every rank
     while (plan := group.receive()) is not None:

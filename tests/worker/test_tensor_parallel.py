@@ -247,3 +247,16 @@ print(sorted(open(f"/proc/self/task/{{t}}/comm").read().strip() for t in os.list
                          timeout=120)
     assert run.returncode == 0, run.stderr[-2000:]
     assert "gloo" not in run.stdout, run.stdout
+
+
+def test_a_model_the_shards_cannot_take_is_one_line_on_the_cli(tiny_checkpoint):
+    """Every rank plans the same shards; rank 0 says why, the other ranks exit without a
+    traceback of their own."""
+    run = subprocess.run([sys.executable, "-m", "conveyor.cli", "generate", "--model",
+                          tiny_checkpoint("olmoe"), "-tp", "2", "--max-tokens", "4", "Hello"],
+                         capture_output=True, text=True, timeout=300,
+                         env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    assert run.returncode == 2
+    assert run.stderr.strip().splitlines() == [
+        "conveyor: error: tensor parallelism is not implemented for olmoe's q/k norms over all "
+        "heads at once; run it with --tensor-parallel-size 1"], run.stderr[-3000:]
