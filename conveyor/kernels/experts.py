@@ -88,4 +88,3 @@ class MoEKernel:
         if rc != 0:
             raise ValueError(f"moe_ffn: a block type or shape it does not handle ({rc})")
         return out
-

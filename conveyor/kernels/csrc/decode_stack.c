@@ -65,14 +65,12 @@ static ALWAYS_INLINE int decode_stack(const Layer *layers, int num_layers, const
             BY_DTYPE(add_rms_norm, a, hid, NULL, l->post_attention_norm, a, hid, rows, hid,
                      s->eps, threads);
         BY_DTYPE(add_rms_norm, a, hid, residual, l->ffn_norm, x, hid, rows, hid, s->eps, threads);
-        if (l->experts != NULL) {  /* (its scratch after the dense feed-forward's) */
+        if (l->experts != NULL)  /* (its scratch after the dense feed-forward's) */
             rc = BY_DTYPE(moe_ffn, l->experts, s, x, hid, h, hid, rows,
                           gu + elem * rows * 2 * inter, threads);
-            if (rc) break;
-        } else {
+        else
             rc = gated_ffn(x, hid, &l->w13, &l->w2, gu, h, hid, rows, inter, s, threads, bf16);
-            if (rc) break;
-        }
+        if (rc) break;
         if (l->post_ffn_norm != NULL)
             BY_DTYPE(add_rms_norm, h, hid, NULL, l->post_ffn_norm, h, hid, rows, hid, s->eps,
                      threads);

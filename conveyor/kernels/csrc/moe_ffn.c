@@ -21,7 +21,7 @@
 
 #include "stack.h"
 
-/* The next 64-byte-aligned piece of the scratch (bindings.MoEKernel.scratch_bytes counts
+/* The next 64-byte-aligned piece of the scratch (experts.MoEKernel.scratch_bytes counts
  * them). */
 static inline void *take(char **at, size_t bytes) {
     char *p = (char *)(((uintptr_t)*at + 63) & ~(uintptr_t)63);
