@@ -211,7 +211,7 @@ def main() -> None:
         longest = max([args.context, *prefills])
         engine = LLMEngine(EngineConfig(
             model=args.model, dtype=args.dtype, max_num_seqs=max(sizes),
-            max_num_batched_tokens=max(2048, *prefills), enable_prefix_caching=False,
+            max_num_batched_tokens=max([2048, *prefills]), enable_prefix_caching=False,
             threads=args.threads, max_model_len=longest + 16 * 8,
             activation_quant=args.activation_quant, kv_cache_dtype=args.kv_cache_dtype,
             num_kv_blocks=max(sizes) * (-(-args.context // 16) + 8) + -(-longest // 16) + 8))

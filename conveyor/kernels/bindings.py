@@ -229,6 +229,8 @@ class QuantLinear:
     # float32, and batch invariance at either dtype: any number of rows (the kernels' own
     # blocking)
     ANY_ROWS = 1 << 30
+    # the output rows dequantized to bfloat16 at a time past FMA_ROWS (_dense_pieces)
+    DENSE_PIECE = 1024
 
     def __init__(self, lib: ctypes.CDLL, dtype: torch.dtype, invariant: bool = False) -> None:
         """invariant: each row's result the same whatever the other rows (batch invariance):
@@ -268,15 +270,31 @@ class QuantLinear:
             assert w.ggml_type in self.types
             assert w.blocks.shape[1] == k // w.block_values * w.block_bytes
             part = None if bias is None else bias[n0:n0 + w.blocks.shape[0]]
-            if rows > self.max_rows and self._dense_rows is not None:
-                dense = self._dense_rows(w, torch.arange(w.blocks.shape[0]))
-                y[:, n0:n0 + w.blocks.shape[0]] = F.linear(x, dense, part)
+            whole = self._takes_whole(rows, w.ggml_type)
+            if rows > self.max_rows and self._dense_rows is not None and not whole:
+                self._dense_pieces(x, w, part, y[:, n0:n0 + w.blocks.shape[0]])
             else:
-                for m0 in range(0, rows, self.max_rows):
-                    m1 = min(rows, m0 + self.max_rows)
+                piece = rows if whole else self.max_rows
+                for m0 in range(0, rows, piece):
+                    m1 = min(rows, m0 + piece)
                     self._call(x[m0:m1], w, part, y[m0:m1, n0:])
             n0 += w.blocks.shape[0]
         return y
+
+    def _takes_whole(self, rows: int, ggml_type: int) -> bool:
+        """Whether one kernel call takes all ``rows`` rows past ``max_rows``."""
+        return False
+
+    def _dense_pieces(self, x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None,
+                      y: torch.Tensor) -> None:
+        """y = x w^T (+ bias), w dequantized DENSE_PIECE output rows at a time: a whole large
+        matrix (a vocabulary's head) dequantized at once and multiplied took ~3x as long
+        (docs/results/moe#dense-pieces)."""
+        n = w.blocks.shape[0]
+        for p0 in range(0, n, self.DENSE_PIECE):
+            p1 = min(n, p0 + self.DENSE_PIECE)
+            dense = self._dense_rows(w, torch.arange(p0, p1))
+            y[:, p0:p1] = F.linear(x, dense, None if bias is None else bias[p0:p1])
 
     def _call(self, x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None,
               y: torch.Tensor) -> None:
@@ -306,20 +324,25 @@ class IntQuantLinear(QuantLinear):
     # the most rows the integer kernel is faster at, at the avx512/amx tiers (AMX or the few-row
     # FMA kernel take more); its two products a value make int16 faster only at one
     INT_ROWS = {"int16": 1, "int8": 4}
-    # tiers whose int8 kernel takes K-quant calls of any row count
-    SUPERBLOCK_TIERS = ("avx2",)
+    # the most rows int8 takes K-quant calls at, on its super-block integer sums, by tier: at
+    # avx2 faster at every row count; at avx512 than the FMA kernel and the dense rows up to
+    # 16 (docs/results/moe#int8-super-blocks); AMX unmeasured, so int_rows there
+    SUPERBLOCK_ROWS = {"avx2": QuantLinear.ANY_ROWS, "avx512": 16}
 
     def __init__(self, lib: ctypes.CDLL, dtype: torch.dtype, mode: str, tier: str) -> None:
         super().__init__(lib, dtype)
         self.mode, self.levels, self.int_rows = mode, self.LEVELS[mode], self.INT_ROWS[mode]
-        self.superblock_rows = mode == "int8" and tier in self.SUPERBLOCK_TIERS
+        self.superblock_rows = self.SUPERBLOCK_ROWS.get(tier, 0) if mode == "int8" else 0
         self._int_fn = entry(lib, "quant_linear_int", dtype)
 
     def takes(self, rows: int, ggml_type: int) -> bool:
         """Whether a call of ``rows`` rows on ``ggml_type`` blocks runs on integers."""
         if ggml_type in DENSE_TYPES.values():
             return False
-        return rows <= self.int_rows or (self.superblock_rows and ggml_type in K_QUANTS)
+        return rows <= self.int_rows or (ggml_type in K_QUANTS and rows <= self.superblock_rows)
+
+    def _takes_whole(self, rows: int, ggml_type: int) -> bool:
+        return self.takes(rows, ggml_type)
 
     def _call(self, x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None,
               y: torch.Tensor) -> None:
@@ -409,7 +432,7 @@ class DecodeStack:
                  max_rows: int, heads: int, kv_heads: int, head_dim: int, intermediate: int,
                  eps: float, scale: float | None = None, softcap: float | None = None,
                  act: str = "silu", levels: int = 0, int_rows: int = 0,
-                 superblock_rows: bool = False, invariant: bool = False) -> None:
+                 superblock_rows: int = 0, invariant: bool = False) -> None:
         self.dtype = dtype
         self.max_rows = max_rows
         self._fn = entry(lib, "decode_stack", dtype)

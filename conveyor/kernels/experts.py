@@ -30,7 +30,7 @@ class MoEKernel:
     def __init__(self, lib: ctypes.CDLL, dtype: torch.dtype, router: torch.Tensor,
                  w13: list[tuple[QuantizedWeight, ...]], w2: list[tuple[QuantizedWeight, ...]],
                  *, used: int, norm_topk: bool, act: str, stats: torch.Tensor, max_rows: int,
-                 levels: int = 0, int_rows: int = 0, superblock_rows: bool = False,
+                 levels: int = 0, int_rows: int = 0, superblock_rows: int = 0,
                  invariant: bool = False) -> None:
         """router: [experts, hidden] float32; w13, w2: each expert's runs; stats: int64 [2],
         to which each call adds its nanoseconds and the distinct experts it ran."""

@@ -564,12 +564,19 @@ def test_decode_stack_matches_the_layers(monkeypatch, request, native_dtype, net
     prompt_rows = sum(len(llm.engine.inputs.tokenize(p)[1]) for p in prompts)
     stacked_prompts = prompt_rows <= model.decode_stack.max_rows
     assert [len(ours) for ours, _ in compared] == [prompt_rows] * stacked_prompts + [decodes] * 9
-    differing = []
+    differing, rounded_apart = [], []
     for ours, layers in compared:
         diff = (ours - layers).abs()
         scale = layers.abs().max()
+        if mode == "int8" and native_dtype == F32 and diff.max() > scale * 1e-5:
+            # an activation at a rounding boundary of its int8 quantization can round to the
+            # neighbouring integer in one and not the other (float32's differences upstream):
+            # a step's worth of one quantization step, rarely
+            rounded_apart.append((diff.max() / scale).item())
+            continue
         assert diff.max() <= scale * (2 ** -6 if native_dtype == BF16 else 1e-5)
         differing.append((diff > 0).float().mean().item())
+    assert len(rounded_apart) <= 2 and all(r <= 2 ** -4 for r in rounded_apart), rounded_apart
     if native_dtype == BF16:
         assert sum(differing) / len(differing) < 0.2
         assert differing.count(0.0) >= len(differing) // 2
@@ -691,20 +698,21 @@ def test_integer_activation_linear_matches_its_reference(tier, dtype, mode, qtyp
 @pytest.mark.parametrize("mode", ["int16", "int8"])
 def test_integer_activations_take_a_decodes_few_rows_and_float_kernels_the_rest(tier, dtype,
                                                                                   mode):
-    """A call of at most int_rows rows runs on integer activations (at the avx2 tier int8 on
-    the K-quants takes any number); more rows, and dense weights, are the float kernel's own
-    result, bit for bit. (int16's few rows can round to the float kernel's bfloat16 outputs:
-    there only the float rows are asserted.)"""
+    """A call of at most int_rows rows runs on integer activations (int8 on the K-quants up to
+    superblock_rows: at the avx2 tier any number, at avx512 16); more rows, and dense weights,
+    are the float kernel's own result, bit for bit. (int16's few rows can round to the float
+    kernel's bfloat16 outputs: there only the float rows are asserted.)"""
     kernels = kernels_at(tier, dtype, 64, mode)
     integer, plain = kernels.quant_linear, QuantLinear(kernels.lib, dtype)
-    superblocks = tier == "avx2" and mode == "int8"  # K-quant calls of any row count
+    superblock_rows = {("avx2", "int8"): 1 << 30, ("avx512", "int8"): 16}.get((tier, mode), 0)
+    assert integer.superblock_rows == superblock_rows
     gen = torch.Generator().manual_seed(5)
-    x = torch.randn(integer.int_rows + 3, 256, generator=gen).to(dtype)
+    x = torch.randn(40, 256, generator=gen).to(dtype)
     for qtype in (Q.Q4_K, Q.Q8_0, *(DENSE if dtype == F32 else ())):
         weight = integer.in_format(random_blocks(qtype, 24, 256)[0])
-        for rows in (integer.int_rows, integer.int_rows + 3):
+        for rows in (integer.int_rows, integer.int_rows + 3, 16, 17, 40):
             same = torch.equal(integer(x[:rows], weight), plain(x[:rows], weight))
-            floats = qtype in DENSE or rows > integer.int_rows and not (
-                superblocks and qtype == Q.Q4_K)
+            floats = qtype in DENSE or rows > (
+                max(integer.int_rows, superblock_rows) if qtype == Q.Q4_K else integer.int_rows)
             if floats or mode == "int8" or dtype == F32:
                 assert same == floats, (qtype, rows)

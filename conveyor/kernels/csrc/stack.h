@@ -60,7 +60,7 @@ typedef struct Shape {
     int gelu;                               /* the gate's activation: 0 SiLU, 1 GELU (tanh) */
     int levels, int_rows;                   /* --activation-quant: a step of at most int_rows
                                                rows on the integer linears (levels 0: none) */
-    int superblock_rows;                    /* and K-quant runs at any row count */
+    int superblock_rows;                    /* and K-quant runs of up to this many */
     int invariant;                          /* --batch-invariant: the linears' (quant_linear) */
     int kv_type;                            /* the caches' storage (common.h) */
 } Shape;
@@ -76,7 +76,7 @@ static ALWAYS_INLINE int matrix_linear(const void *x, int64_t x_stride, const Ma
         const void *b = bias == NULL ? NULL : (const char *)bias + elem * n0;
         /* (as bindings.IntQuantLinear.takes routes a call: dense rows never) */
         if (s->levels && !is_dense(r->type)
-            && (rows <= s->int_rows || (s->superblock_rows && is_k_quant(r->type))))
+            && (rows <= s->int_rows || (rows <= s->superblock_rows && is_k_quant(r->type))))
             rc = BY_DTYPE(quant_linear_int, x, x_stride, r->blocks, r->row_bytes, r->type, b,
                           (char *)y + elem * n0, y_stride, rows, r->rows, k, s->levels, threads);
         else

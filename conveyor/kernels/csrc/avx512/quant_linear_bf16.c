@@ -6,13 +6,14 @@
  * a weight. These blocks hold the same weights in 0.56 (Q4_K) to 1.13 (Q8_0) bytes, so reading
  * them and dequantizing on the fly is faster; and no dense copy of the model is kept.
  *
- * Two ways to multiply: with AMX tiles (Sapphire Rapids on) past FMA_FIRST_ROWS rows, where the
+ * Three ways to multiply: with AMX tiles (Sapphire Rapids on) past FMA_FIRST_ROWS rows, where the
  * weights are dequantized exactly as the loader does (float32 d * q, + m: two roundings) and
  * rounded to bfloat16, the bfloat16 model's weights bit for bit, and products are summed in
- * float32 as oneDNN's bfloat16 matmul does; otherwise with AVX-512 FMAs for up to 8 rows, the
+ * float32 as oneDNN's bfloat16 matmul does; otherwise with AVX-512 FMAs for one or two rows, the
  * block scales factored out of float32 sums of the activations times the quantized values (a
- * one-hot row still reads the loader's weight, rounded to bfloat16 once). The caller takes more
- * rows than these in pieces (QuantLinear). The avx512 and amx tiers only: float32 models use
+ * one-hot row still reads the loader's weight, rounded to bfloat16 once), and with bfloat16
+ * dot products on those weights for 3 to 8. The caller takes more rows than these in pieces
+ * (QuantLinear). The avx512 and amx tiers only: float32 models use
  * quant_linear_f32.c.
  */
 #include <stdint.h>
@@ -31,6 +32,10 @@
  * thread, the two builds alternated) it took 0.73x AMX's time at 2 rows and tied at 3 in Q4_K,
  * 1.1x at 4 (Q6_K: 0.66x at 2, 0.78x at 3, 0.84x at 4, 1.1x at 5). */
 #define FMA_FIRST_ROWS 3
+/* Without AMX, from this many rows on (up to MAX_ROWS) the bfloat16 dot products (dot_rows)
+ * are faster than the FMA kernel: each chunk is dequantized once for all the rows, where the
+ * FMA kernel's products a row cost more (docs/results/moe#dot-rows). */
+#define DOT_FIRST_ROWS 3
 /* Up to this many rows AMX goes a column of blocks at a time (quant_matmul_amx_few). */
 #define AMX_FEW_ROWS 32
 #define EXACT (_MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
@@ -745,6 +750,10 @@ int quant_linear_bf16(const uint16_t *x, int64_t x_stride, const uint8_t *w, int
                                 threads);
 #endif
     if (rows > MAX_ROWS) return -1;
+    if (rows >= DOT_FIRST_ROWS && !has_amx()) {
+        dot_rows(x, x_stride, w, row_bytes, type, bias, y, y_stride, rows, n, k, threads);
+        return 0;
+    }
     return fma_rows(x, x_stride, w, row_bytes, type, bias, y, y_stride, rows, n, k, threads);
 }
 
