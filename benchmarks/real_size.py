@@ -8,7 +8,9 @@ other, in one run.
 - ``c4-long``: 8 requests four at a time, prompts of 1600-2100 tokens, outputs of 16: mean TTFT.
 
 Every request ignores EOS; neither server caches prompts (llama-server ``--no-cache-prompt``,
-Conveyor ``--no-enable-prefix-caching``), so each computes every prompt.
+Conveyor ``--no-enable-prefix-caching``), so each computes every prompt. ``--also-conveyor FLAGS``
+adds Conveyor with other flags to the same run (e.g. ``--activation-quant int8``), after the
+first, as ``conveyor #2`` and on.
 
     .venv/bin/python benchmarks/real_size.py --gguf llama-3.2-1b-Q4_K_M.gguf \\
         --llama-server ~/peers/llama/.../llama-server --save-result --result-dir docs/results/x
@@ -52,9 +54,13 @@ def main() -> None:
     p.add_argument("--conveyor-flags",
                    default="--max-num-seqs 32 --kv-cache-memory 3GiB --no-enable-prefix-caching")
     p.add_argument("--scenarios", nargs="+", choices=list(SCENARIOS), default=list(SCENARIOS))
+    p.add_argument("--also-conveyor", action="append", default=[], metavar="FLAGS",
+                   help="flags of a further Conveyor configuration in the same run")
     p.add_argument("--only", nargs="+", choices=["llama-server", "conveyor"], default=None)
     args = p.parse_args()
     wanted = args.only or ["llama-server", "conveyor"]
+    others = [f"conveyor #{i}" for i in range(2, 2 + len(args.also_conveyor))]
+    wanted += others if "conveyor" in wanted else []
     if "llama-server" in wanted and not args.llama_server:
         p.error("no llama-server: pass --llama-server PATH or set LLAMA_SERVER (or --only)")
     args.ignore_eos = args.disable_tqdm = True
@@ -67,6 +73,9 @@ def main() -> None:
                                             os.path.join(tmp, "real-size-llama-server.log")),
         "conveyor": lambda: ConveyorServer(["--model", args.gguf, *args.conveyor_flags.split()],
                                            os.path.join(tmp, "real-size-conveyor.log")),
+        **{name: (lambda flags=flags, i=i: ConveyorServer(
+            ["--model", args.gguf, *flags.split()], os.path.join(tmp, f"real-size-conveyor{i}.log")))
+           for i, (name, flags) in enumerate(zip(others, args.also_conveyor), 2)},
     }
     rows = []
     for name in wanted:
@@ -91,10 +100,11 @@ def main() -> None:
               f"{r['failed']:>8}")
     by = {(r["server"], r["scenario"]): r for r in rows}
     for scenario in args.scenarios:
-        mine, peer = by.get(("conveyor", scenario)), by.get(("llama-server", scenario))
-        if mine and peer:
-            key = FIGURES[scenario]
-            print(f"{scenario}: {key} conveyor/llama-server = {mine[key] / peer[key]:.2f}x")
+        for name in ["conveyor", *others]:
+            mine, peer = by.get((name, scenario)), by.get(("llama-server", scenario))
+            if mine and peer:
+                key = FIGURES[scenario]
+                print(f"{scenario}: {key} {name}/llama-server = {mine[key] / peer[key]:.2f}x")
     if args.save_result:
         save_result(args, rows, "real-size.json")
 
