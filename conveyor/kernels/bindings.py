@@ -287,8 +287,8 @@ class QuantLinear:
 
     def _dense_pieces(self, x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None,
                       y: torch.Tensor) -> None:
-        """y = x w^T (+ bias), w dequantized DENSE_PIECE output rows at a time: a whole large
-        matrix (a vocabulary's head) dequantized at once and multiplied took ~3x as long
+        """y = x w^T (+ bias), w dequantized DENSE_PIECE output rows at a time: a large matrix
+        (a vocabulary's head) dequantized whole and multiplied was several times slower
         (docs/results/moe#dense-pieces)."""
         n = w.blocks.shape[0]
         for p0 in range(0, n, self.DENSE_PIECE):
