@@ -11,8 +11,16 @@
  * becomes float32 and takes its chunk's d * s (Q6_K's sixteens their own d) in a float32
  * accumulator, summed across lanes once per output value.
  *
+ * The K-quants on int8 activations (Q8_K: a scale per 256) go as llama.cpp's q4_K x q8_K and
+ * avx2/quant_linear_int.c's super-block sums do (pass_superblocks): vpmaddubsw pairs the
+ * products into int16 lanes, vpdpwssd multiplies each pair by its (Q6_K: half-)chunk's integer
+ * scale into the int32 lanes, which add up through the super-block; one conversion and one FMA
+ * by d * s a super-block: two instructions a vector an activation row where the chunks' way
+ * takes four. The mins' (Q6_K: offsets') share is m . (s * sum(p)), as for the other types.
+ *
  * A pass takes one weight row against up to RT activation rows, each vector of weights
- * unpacked once for them; OB output rows stay in cache while every group of RT rows passes them.
+ * unpacked once for them (a row count between the passes' sizes padded up, the padding's rows
+ * repeating the last); OB output rows stay in cache while every group of RT rows passes them.
  */
 #include <immintrin.h>
 #include <stdint.h>
