@@ -214,6 +214,19 @@ static ALWAYS_INLINE __m512i k_vector(const uint8_t *b, int type, int g) {
     return _mm512_or_si512(q, _mm512_slli_epi16(shifted(fifth, halves(2 * g, 2 * g + 1), 1), 4));
 }
 
+/* Q4_K/Q5_K super-block b's 6-bit scales (bytes 0-7) and mins (8-15), its mins' factors
+ * (-dmin * mn) stored at m for pass's closing FMAs. */
+static ALWAYS_INLINE __m128i k_scales_and_mins(const uint8_t *b, float *m) {
+    uint32_t u[4];
+    k_scales_mins(b, u);
+    /* (from registers: a vector load of u's four scalar stores would wait on them) */
+    const __m128i scales_mins = _mm_set_epi32((int)u[3], (int)u[2], (int)u[1], (int)u[0]);
+    _mm256_storeu_ps(m, _mm256_mul_ps(
+        _mm256_set1_ps(-half_load(b + 2)),
+        _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(scales_mins, 8)))));
+    return scales_mins;
+}
+
 /* A K-quant weight row on int8 activations of a scale a super-block, into acc[t]: each
  * vector's vpmaddubsw pairs (|q p + q' p'| <= 63 * 127 * 2 fits 16 bits) take their (Q6_K:
  * half-)chunk's integer scale through vpdpwssd, and the int32 lanes add up through the
@@ -231,18 +244,12 @@ static ALWAYS_INLINE void pass_superblocks(const uint8_t *row, int type, int chu
             dd = half_load(b + 208);
             const __m128i s8 = _mm_loadu_si128((const __m128i *)(b + 192));
             scales = _mm512_castsi256_si512(_mm256_cvtepi8_epi16(s8));
-            _mm512_storeu_ps(m + 16 * sb, _mm512_mul_ps(_mm512_set1_ps(-32.0f * dd),
-                                                        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(s8))));
+            _mm512_storeu_ps(m + 16 * sb, _mm512_mul_ps(
+                _mm512_set1_ps(-32.0f * dd), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(s8))));
         } else {
-            uint32_t u[4];
-            k_scales_mins(b, u);
-            /* (from registers: a vector load of u's four scalar stores would wait on them) */
-            const __m128i scales_mins = _mm_set_epi32((int)u[3], (int)u[2], (int)u[1], (int)u[0]);
             dd = half_load(b);
-            scales = _mm512_castsi256_si512(_mm256_cvtepu8_epi16(scales_mins));
-            _mm256_storeu_ps(m + 8 * sb, _mm256_mul_ps(
-                _mm256_set1_ps(-half_load(b + 2)),
-                _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(scales_mins, 8)))));
+            scales = _mm512_castsi256_si512(_mm256_cvtepu8_epi16(
+                k_scales_and_mins(b, m + 8 * sb)));
         }
         __m512i sum[RT];
         for (int t = 0; t < RT; t++) sum[t] = _mm512_setzero_si512();
@@ -292,16 +299,9 @@ static ALWAYS_INLINE void pass(const uint8_t *row, int type, int chunks, const P
                 sc = _mm512_mul_ps(_mm512_set1_ps(half_load(b + 208)), _mm512_cvtepi32_ps(
                     _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(b + 192)))));
             } else {
-                uint32_t u[4];
-                k_scales_mins(b, u);
-                const __m128i scales_mins = _mm_set_epi32((int)u[3], (int)u[2], (int)u[1],
-                                                          (int)u[0]);
                 sc = _mm512_castps256_ps512(_mm256_mul_ps(
                     _mm256_set1_ps(half_load(b)),
-                    _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(scales_mins))));
-                _mm256_storeu_ps(m + 8 * sb, _mm256_mul_ps(
-                    _mm256_set1_ps(-half_load(b + 2)),
-                    _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(scales_mins, 8)))));
+                    _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(k_scales_and_mins(b, m + 8 * sb)))));
             }
             #pragma GCC unroll 4
             for (int g = 0; g < 4; g++) {
