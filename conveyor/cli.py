@@ -109,7 +109,6 @@ VLLM_ONLY_FLAGS = {
                                  "asks for, whatever the parser named"),
     "--disable-log-requests": (False, "requests are not logged unless --enable-log-requests"),
     "--disable-log-stats": (False, "Conveyor logs no periodic stats: /metrics has them"),
-    "--enforce-eager": (False, "Conveyor captures no CUDA graphs"),
     "--gpu-memory-utilization": (True, "the KV pool is sized by --kv-cache-memory or "
                                        "--num-kv-blocks (default: a share of free memory)"),
 }

@@ -26,6 +26,9 @@ QUANTIZATIONS = ("q8_0", "q4_1", "q4_0")
 TASKS = ("generate", "embed")
 ACTIVATION_QUANTS = ("none", "int16", "int8")
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float32", "int8")  # (model/kv_cache.py)
+# vLLM's names: FlexAttention over the pages in place (model/flex_attention.py); the CPU's paged
+# decode kernel and SDPA over gathered pages (model/attention.py)
+ATTENTION_BACKENDS = ("auto", "FLEX_ATTENTION", "TORCH_SDPA")
 DEFAULT_CPU_KV_SHARE = 0.25        # of available RAM ...
 DEFAULT_CPU_KV_CAP = 4 * 2**30     # ... but no more than vLLM's CPU default of 4 GiB
 DEFAULT_CUDA_KV_SHARE = 0.8        # of free device memory after the weights
@@ -106,6 +109,15 @@ class EngineConfig:
     adaptive_threads: bool = setting(
         True, "run on fewer threads while other processes keep cores busy, at most --threads "
               "(Linux; docs/results/shared-cpu)")
+    attention_backend: str = setting(
+        "auto", "how attention reads the paged KV cache: FLEX_ATTENTION, one FlexAttention call "
+                "a layer for the whole step through the block tables (compiled to Triton on "
+                "CUDA); TORCH_SDPA, the CPU's paged decode kernel and SDPA for prompts; auto: "
+                "FLEX_ATTENTION on CUDA, TORCH_SDPA elsewhere (vLLM's flag)",
+        choices=ATTENTION_BACKENDS)
+    enforce_eager: bool = setting(
+        False, "run decode steps eagerly; otherwise on CUDA with FLEX_ATTENTION they replay "
+               "CUDA graphs captured at a ladder of batch sizes (vLLM's flag)")
     activation_quant: str = setting(
         "none", "the GGUF block linears multiply integer activations: each run of 32 inputs "
                 "scaled to int16 (15 bits), or int8 with llama.cpp's numerics (Q8_0; Q8_K, a "
@@ -161,6 +173,18 @@ class EngineConfig:
         """The scheduler's settings (its config checks them) at this model length."""
         return SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, max_model_len,
                                self.policy, self.scheduling_policy)
+
+    def attention(self, device: torch.device) -> str:
+        """The attention backend ``attention_backend`` names on this device."""
+        if self.attention_backend != "auto":
+            return self.attention_backend
+        return "FLEX_ATTENTION" if device.type == "cuda" else "TORCH_SDPA"
+
+    def decode_graphs(self, device: torch.device) -> bool:
+        """Whether decode steps replay CUDA graphs (FlexAttention's metadata is built on the
+        device, so a whole step can be captured; the CPU path's is not)."""
+        return (not self.enforce_eager and device.type == "cuda"
+                and self.attention(device) == "FLEX_ATTENTION")
 
     def torch_device(self) -> torch.device:
         import torch

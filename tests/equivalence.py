@@ -97,11 +97,13 @@ def compare(ours: list[int], ref: list[int], gaps: list[float], tie: float = TIE
 
 def run_conveyor(path: str | None, prompts, policy: str, dtype: str = "float32",
                  new_tokens: int = NEW_TOKENS, max_num_seqs: int = 12,
-                 tensor_parallel_size: int = 1, check=None, num_kv_blocks: int = 20):
-    """check(llm): called after the run, before the engine shuts down."""
+                 tensor_parallel_size: int = 1, check=None, num_kv_blocks: int = 20,
+                 **settings):
+    """check(llm): called after the run, before the engine shuts down; settings: further
+    ``LLM`` keywords."""
     llm = LLM(model=path, dtype=dtype, policy=policy, block_size=16, num_kv_blocks=num_kv_blocks,
               max_model_len=160, max_num_seqs=max_num_seqs, max_num_batched_tokens=64,
-              tensor_parallel_size=tensor_parallel_size)
+              tensor_parallel_size=tensor_parallel_size, **settings)
     try:
         params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
         outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params,
@@ -115,13 +117,13 @@ def run_conveyor(path: str | None, prompts, policy: str, dtype: str = "float32",
     return outputs
 
 
-def check_model(kind: str, path: str, policy: str, every: int = 1) -> None:
+def check_model(kind: str, path: str, policy: str, every: int = 1, **settings) -> None:
     """every: take every so many of the prompts (the slow paths take fewer, in a pool of 12
-    pages, which they still outgrow)."""
+    pages, which they still outgrow); settings: further ``LLM`` keywords."""
     prompts, refs = reference(kind, path)
     prompts, refs = prompts[::every], refs[::every]
     outputs = run_conveyor(None if kind == "gguf" else path, prompts, policy,
-                           num_kv_blocks=20 if every == 1 else 12)
+                           num_kv_blocks=20 if every == 1 else 12, **settings)
     assert sum(o.metrics.num_preemptions for o in outputs) > 0, "the pool was meant to preempt"
     identical = [compare(o.outputs[0].token_ids, *ref) for o, ref in zip(outputs, refs)]
     assert all(o.prompt_token_ids == p for o, p in zip(outputs, prompts))

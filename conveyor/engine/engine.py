@@ -144,7 +144,9 @@ class LLMEngine:
                                      self.grammars)
         setup = dict(dtype=self.dtype, num_blocks=num_blocks, max_model_len=model_len,
                      activation_quant=config.activation_quant,
-                     batch_invariant=config.batch_invariant, kv_dtype=self.kv_dtype)
+                     batch_invariant=config.batch_invariant, kv_dtype=self.kv_dtype,
+                     attention=config.attention(self.device),
+                     graph_rows=config.max_num_seqs if config.decode_graphs(self.device) else 0)
         tp = self.tensor_parallel
         if tp is not None:  # the workers build their shards of the same pool
             tp.send(setup)

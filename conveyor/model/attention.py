@@ -7,6 +7,7 @@ the pages in place (``cpu_kernels``); elsewhere to a few SDPA calls over gathere
 group of similar context lengths so that short contexts are not padded to the longest. Where the
 decode stack runs the step, short chunks' tokens are single-token queries too, each with its own
 context length (its position + 1), so the kernel's causal attention needs no mask.
+With FlexAttention (``flex_attention.py``, the GPU path) the whole step is one call instead.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from conveyor.kernels.bindings import DecodeKernel, RopeKVWrite
+from conveyor.model.flex_attention import FlexPages
 from conveyor.model.kv_cache import quantize, readable
 
 
@@ -72,6 +74,7 @@ class AttentionMetadata:
     prefills: list[PrefillChunk]
     decode_kernel: DecodeKernel | None = None
     rope_kv_write: RopeKVWrite | None = None
+    flex: FlexPages | None = None  # every token's attention in one FlexAttention call
     # the masks each window needs, built once a step (layers share them)
     _masks: dict = field(default_factory=dict)
 
@@ -99,6 +102,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     meta: AttentionMetadata, scores: Scores = Scores()) -> torch.Tensor:
     """q: [T, H, D]; k, v: [T, KVH, D], already in the caches ([num_blocks, block_size, KVH,
     D], or int8 head rows: ``kv_cache``; see ``write_kv``). Returns [T, H, D]."""
+    if meta.flex is not None:
+        return meta.flex.attend(q, k_cache, v_cache, scores.scale, scores.window, scores.softcap)
     block_size, kv_heads, dim = k_cache.shape[1], k_cache.shape[2], q.shape[2]
     out = torch.empty_like(q)
     groups = q.shape[1] // kv_heads

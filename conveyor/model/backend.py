@@ -37,12 +37,13 @@ def apply_backend(model: Transformer, weights: dict[str, torch.Tensor],
                   quantized: dict[str, QuantizedWeight], *, dtype: torch.dtype,
                   device: torch.device, kernels: CPUKernels | None, kv_caches: KVCaches,
                   all_reduce: Callable[[torch.Tensor], None] | None = None,
-                  batch_invariant: bool = False) -> None:
+                  batch_invariant: bool = False, decode_stack: bool = True) -> None:
     """Place the weights in ``model`` (built on the meta device) and attach what runs them:
     the CPU kernels where they apply, the all-reduce of a tensor-parallel shard (which the
     one-call decode stack cannot make, so it is only used without one). batch_invariant:
     dense weights multiply a fixed number of rows a call (the kernels get it from
-    ``cpu_kernels``)."""
+    ``cpu_kernels``). decode_stack: False where attention must go through the layers
+    (FlexAttention)."""
     _place_weights(model, weights, quantized, dtype, device, kernels)
     model.eval()
     if batch_invariant:
@@ -52,7 +53,7 @@ def apply_backend(model: Transformer, weights: dict[str, torch.Tensor],
     if kernels is not None:
         _use_elementwise_kernels(model, kernels)
         _use_moe_kernel(model, kernels)
-        if all_reduce is None:
+        if all_reduce is None and decode_stack:
             _use_decode_stack(model, kernels, kv_caches)
 
 

@@ -18,8 +18,10 @@ from conveyor.model.attention import AttentionMetadata, DecodeGroup, PrefillChun
 from conveyor.model.backend import apply_backend
 from conveyor.model.config import ModelConfig
 from conveyor.model.families import network
+from conveyor.model.flex_attention import FlexPages
 from conveyor.model.kv_cache import head_bytes, head_width
 from conveyor.model.rope import longrope_switch, model_rope_tables
+from conveyor.worker.decode_graphs import DecodeGraphs
 from conveyor.worker.sampler import GrammarMask, Sampler, SampleResult, ranked_logprobs
 from conveyor.worker.sharding import ffn_granules, kv_heads_per_rank, plan_shards, shard_model
 from conveyor.worker.step_plan import StepPlan, StepPlanner
@@ -57,13 +59,17 @@ class ModelRunner:
                  quantized: dict[str, QuantizedWeight] | None = None,
                  tensor_parallel: TensorParallel | None = None,
                  activation_quant: str = "none", batch_invariant: bool = False,
-                 kv_dtype: torch.dtype | None = None) -> None:
+                 kv_dtype: torch.dtype | None = None, attention: str = "TORCH_SDPA",
+                 graph_rows: int = 0) -> None:
         """quantized: the GGUF's block-quantized matrices, read by the CPU kernel at small M.
         kv_dtype: the caches' (``kv_cache.kv_storage``; None: the model dtype).
         tensor_parallel: this rank's group; the runner then holds the rank's shard.
         activation_quant: the block linears' inputs as integers (EngineConfig's);
         batch_invariant: each row's result independent of the step's other rows
-        (EngineConfig's). Both need the CPU kernels (ValueError where they do not run)."""
+        (EngineConfig's). Both need the CPU kernels (ValueError where they do not run).
+        attention: the backend (``EngineConfig.attention``); graph_rows: decode steps of up to
+        this many rows are padded to a ladder of sizes and, on CUDA, replayed from graphs
+        (``decode_graphs``; FLEX_ATTENTION only; 0: none)."""
         self.tensor_parallel = tensor_parallel
         head_rows = None
         if tensor_parallel is not None:
@@ -82,10 +88,20 @@ class ModelRunner:
             if kernels is None and asked:
                 raise ValueError(f"{name} needs the CPU kernels, which do not run here: "
                                  f"{describe(device, dtype, config.head_dim, kernels)}")
+        self.flex = attention == "FLEX_ATTENTION"
+        if self.flex and (kv_dtype == torch.int8 or batch_invariant):
+            raise ValueError("the FLEX_ATTENTION backend reads the cache in the model dtype and "
+                             "sums in its own order: kv_cache_dtype int8 and batch_invariant "
+                             "need TORCH_SDPA")
+        if graph_rows and not self.flex:
+            raise ValueError("decode graphs need FLEX_ATTENTION (its metadata is made on the "
+                             "device, in the graph)")
         with torch.device("meta"):
             self.model = network(config)(config, head_rows)
         kv_dtype = kv_dtype or dtype
-        shape = (num_blocks, block_size, config.num_kv_heads,
+        # graphs' padding rows write to a page past the pool's (decode_graphs)
+        self.num_pages = num_blocks + (graph_rows > 0)
+        shape = (self.num_pages, block_size, config.num_kv_heads,
                  head_width(config.head_dim, kv_dtype))
         self.kv_caches = [(huge_pages.zeros(shape, kv_dtype, device),
                            huge_pages.zeros(shape, kv_dtype, device))
@@ -93,22 +109,33 @@ class ModelRunner:
         apply_backend(self.model, weights, quantized or {}, dtype=dtype, device=device,
                       kernels=kernels, kv_caches=self.kv_caches,
                       all_reduce=None if tensor_parallel is None else tensor_parallel.all_reduce,
-                      batch_invariant=batch_invariant)
+                      batch_invariant=batch_invariant, decode_stack=not self.flex)
         self.ropes = model_rope_tables(config, max_model_len, dtype, device)
         self.kernel_path = describe(device, dtype, config.head_dim, kernels)
         self.sampler = (Sampler(config.vocab_size, device, seed) if kernels is None else
                         Sampler(config.vocab_size, device, seed, kernels.argmax_rows,
                                 kernels.sample_rows))
-        self.decode_kernel = kernels.decode_attention if kernels is not None else None
+        self.decode_kernel = (kernels.decode_attention if kernels is not None and not self.flex
+                              else None)
         # (the kernel rotates whole heads)
         self.rope_kv_write = (kernels.rope_kv_write if kernels is not None
                               and config.rotary_dim is None else None)
         stack = self.model.decode_stack
         self.planner = StepPlanner(
             block_size, dtype, max_model_len, longrope_switch(config, max_model_len),
-            one_decode_group=self.decode_kernel is not None,
+            one_decode_group=self.decode_kernel is not None or self.flex,
             stack_rows=None if stack is None else stack.max_rows,
             every_token_a_query=batch_invariant)
+        self.block_size = block_size
+        self.graphs = None if not graph_rows else DecodeGraphs(
+            self._decode_step, graph_rows, -(-max_model_len // block_size),
+            scratch_page=num_blocks, block_size=block_size, device=device,
+            capture=device.type == "cuda")
+        if self.flex:
+            self.kernel_path += "; attention by FlexAttention" + (
+                f", decodes of up to {graph_rows} rows " + ("in CUDA graphs" if
+                                                           self.graphs.capture else "padded")
+                if self.graphs is not None else "")
         self._bitmask = BatchBitmask()
         self._bitmask_thread = ThreadPoolExecutor(1, thread_name_prefix="conveyor-bitmask")
 
@@ -131,6 +158,12 @@ class ModelRunner:
             offset += n
         meta = AttentionMetadata(self._tensor(plan.slots), groups, prefills, self.decode_kernel,
                                  self.rope_kv_write)
+        if self.flex:
+            positions, owners, tables = plan.sequences(self.block_size)
+            meta.flex = FlexPages(self._tensor(positions, torch.int32),
+                                  self._tensor(owners, torch.int32),
+                                  self._tensor(tables, torch.int32), self.block_size,
+                                  self.num_pages)
         return self._tensor(plan.ids), self._tensor(plan.rope_rows), meta
 
     def _start_grammar_mask(self, sampling: list[Request]
@@ -149,9 +182,23 @@ class ModelRunner:
     def forward(self, plan: StepPlan) -> torch.Tensor:
         """The network over the plan's tokens: their last hidden states. Every tensor-parallel
         rank runs this on the same plan, its layers meeting the others' at the all-reduces."""
-        ids, rows, meta = self._inputs(plan)
-        ropes = [(cos[rows].unsqueeze(1), sin[rows].unsqueeze(1)) for cos, sin in self.ropes]
+        if self.graphs is not None and (hidden := self.graphs.run(plan)) is not None:
+            return hidden
+        return self._network(*self._inputs(plan))
+
+    def _network(self, ids: torch.Tensor, rope_rows: torch.Tensor,
+                 meta: AttentionMetadata) -> torch.Tensor:
+        ropes = [(cos[rope_rows].unsqueeze(1), sin[rope_rows].unsqueeze(1))
+                 for cos, sin in self.ropes]
         return self.model(ids, ropes, self.kv_caches, meta)
+
+    def _decode_step(self, ids: torch.Tensor, rope_rows: torch.Tensor, slots: torch.Tensor,
+                     positions: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
+        """A step of single-token queries from tensors alone (``DecodeGraphs``' buffers), each
+        query its own sequence: what a CUDA graph captures."""
+        owners = torch.arange(len(ids), dtype=torch.int32, device=ids.device)
+        flex = FlexPages(positions, owners, tables, self.block_size, self.num_pages)
+        return self._network(ids, rope_rows, AttentionMetadata(slots, [], [], flex=flex))
 
     def logits(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor | None:
         """These rows' logits, float32; tensor parallel: each rank's share of the vocabulary,

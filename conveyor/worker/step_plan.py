@@ -53,6 +53,27 @@ class StepPlan:
     logits_rows: list[int] = field(default_factory=list)  # the rows that sample
     prompt_rows: list[int] = field(default_factory=list)  # the rows whose prompt logprobs count
 
+    def sequences(self, block_size: int) -> tuple[list[int], list[int], list[list[int]]]:
+        """The step as FlexAttention reads it (``model/flex_attention.py``): each query's
+        position and sequence, and each sequence's pages (padded with -1): a sequence a
+        single-token query, and one a chunk."""
+        positions, owners, tables = [], [], []
+        for table, context_lens in self.decode_groups:
+            for row, n in zip(table, context_lens):  # (the rows are padded with page 0)
+                positions.append(n - 1)
+                owners.append(len(tables))
+                tables.append(row[:-(-n // block_size)])
+        at = len(positions)
+        for n, ctx, pages in self.prefills:
+            if pages is None:  # a prompt's first chunk: its pages are those its slots are on
+                pages = [slot // block_size for slot in self.slots[at:at + n:block_size]]
+            positions += range(ctx, ctx + n)
+            owners += [len(tables)] * n
+            tables.append(pages)
+            at += n
+        width = max(map(len, tables))
+        return positions, owners, [t + [-1] * (width - len(t)) for t in tables]
+
 
 @dataclass
 class StepPlanner:

@@ -18,7 +18,9 @@ import pytest
 import torch
 
 from conveyor import LLM
+from conveyor.config import EngineConfig
 from conveyor.kernels import bindings, isa
+from conveyor.worker.decode_graphs import DecodeGraphs, padded_size
 
 from equivalence import (BF16_TIE, BF16_TOKENS, check_model, compare, reference,
                          run_conveyor)
@@ -146,6 +148,40 @@ TINY_RUNS = [pytest.param(name, *path.values, id=f"{name}-{path.id}") for name i
 def test_tiny_checkpoints_match_transformers(tiny_paths, on_path, name, path, policy):
     on_path(path)
     check_model("hf", tiny_paths[name], policy)
+
+
+# FlexAttention (the GPU path, unfused here) on checkpoints with windows (Gemma 2's every other
+# layer, with soft caps), partial rotary, q/k norms and experts
+FLEX_TINY = ("llama", "gemma2", "mistral-window", "phi3-partial-longrope", "qwen3_moe")
+
+
+@pytest.mark.parametrize("name", FLEX_TINY)
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "padded-decodes"])
+def test_flex_attention_matches_transformers(tiny_paths, monkeypatch, name, graphs):
+    """With decode graphs as on CUDA (captured there; here the same padded buffers run
+    eagerly): a decode step is padded up the ladder, its padding rows on the scratch page."""
+    padded = []
+    if graphs:
+        monkeypatch.setattr(EngineConfig, "decode_graphs", lambda self, device: True)
+        run = DecodeGraphs.run
+
+        def counted(self, plan):
+            hidden = run(self, plan)
+            if hidden is not None:
+                padded.append(padded_size(len(plan.ids), self.sizes) - len(plan.ids))
+            return hidden
+
+        monkeypatch.setattr(DecodeGraphs, "run", counted)
+    check_model("hf", tiny_paths[name], "continuous", attention_backend="FLEX_ATTENTION")
+    if graphs:
+        assert padded and max(padded) > 0, "no decode step was padded"
+
+
+@pytest.mark.parametrize("settings", [{"kv_cache_dtype": "int8"}, {"batch_invariant": True}])
+def test_flex_attention_refuses_what_it_cannot_read(tiny_paths, settings):
+    with pytest.raises(ValueError, match="need TORCH_SDPA"):
+        LLM(model=tiny_paths["llama"], dtype="float32", num_kv_blocks=8,
+            attention_backend="FLEX_ATTENTION", **settings)
 
 
 @pytest.mark.parametrize("name", ["gemma2", "gemma3", "qwen3", "mistral-window", "qwen2-window",

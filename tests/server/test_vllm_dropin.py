@@ -59,7 +59,7 @@ def test_a_vllm_launch_line_serves_under_its_names(server):
         assert r.status_code == 200, r.text
     log = server.log()
     for flag in ("--trust-remote-code", "--enable-auto-tool-choice", "--tool-call-parser",
-                 "--enforce-eager", "--gpu-memory-utilization", "--disable-log-stats"):
+                 "--gpu-memory-utilization", "--disable-log-stats"):
         assert f"{flag} (vLLM's) accepted" in log, flag
 
 

@@ -75,6 +75,13 @@ def test_every_token_takes_its_row_slot_and_context(block_size, prompts, max_tok
         assert plan.rope_rows == positions  # (no LongRoPE: the rows are the positions)
         assert plan.slots == slots and len(set(slots)) == len(slots)  # no slot written twice
 
+        # FlexAttention's view: each row's position, its sequence's pages those of its request
+        flex_positions, owners, flex_tables = plan.sequences(block_size)
+        assert flex_positions == positions
+        for pos, owner, (_, blocks) in zip(flex_positions, owners, tables):
+            pages = [p for p in flex_tables[owner] if p >= 0]
+            assert len(pages) > pos // block_size and pages == blocks[:len(pages)]
+
         # attention: each query row's block table and context length, or its chunk's
         rows = [(table, ctx) for table, ctx in plan.decode_groups]
         query_rows = [(t, c) for tables_, lens in rows for t, c in zip(tables_, lens)]
