@@ -91,6 +91,8 @@ class Sampler:
         self.draw = draw
         self.vocab_size = vocab_size
         self.device = device
+        # reading a value back costs no sync (the CPU): the rounds may stop early
+        self.host_reads_free = device.type == "cpu"
         self.generator = torch.Generator(device=device).manual_seed(seed)
         self._request_generators: dict[str, torch.Generator] = {}
 
@@ -112,13 +114,45 @@ class Sampler:
                  grammar: GrammarMask | None = None) -> list[SampleResult]:
         """logits: [B, V] float32, one row per request, in the same order. A row that is not
         finite (NaN or inf from the model) or fails is that request's error, not the batch's.
-        ``grammar``: structured outputs' allowed tokens, applied before any other rule."""
-        broken = (~torch.isfinite(logits.sum(dim=-1))).nonzero().flatten().tolist()
-        if broken:  # sampled as zeros (harmless), reported as errors
-            logits = logits.clone()
-            logits[broken] = 0.0
+        ``grammar``: structured outputs' allowed tokens, applied before any other rule.
+
+        Every rule runs on the logits' device, and the tokens come back in one transfer: on a
+        GPU one host sync a step, and a second in the rare step where a top-p row is still
+        open after MAX_ROUNDS (``_draw``)."""
+        tokens, finite, still_open, logits, raw = self._draw(logits, requests, grammar)
+        token_list, finite_list, open_list = torch.stack(
+            (tokens, finite.long(), still_open.long())).tolist()
+        reopened = [i for i, is_open in enumerate(open_list) if is_open]
+        if reopened:  # (rare) the nucleus by a sort
+            for i, token in zip(reopened, self._sorted_nucleus(
+                    logits[reopened], [requests[i] for i in reopened]).tolist()):
+                token_list[i] = token
+        results = [SampleResult(tok) for tok in token_list]
+        want_logprobs = [r.sampling_params.logprobs for r in requests]
+        asked = [i for i, k in enumerate(want_logprobs) if k is not None]
+        if asked:  # the model's logprobs, before any rule
+            rows = torch.tensor(asked, device=logits.device)
+            for i, entries in zip(asked, ranked_logprobs(
+                    torch.log_softmax(raw[rows], dim=-1), [token_list[i] for i in asked],
+                    [want_logprobs[i] for i in asked])):
+                results[i].logprobs = entries
+        for i, ok in enumerate(finite_list):
+            if not ok:
+                results[i] = SampleResult(0, error="the model produced non-finite logits (NaN "
+                                                   "or inf) for this request")
+        return results
+
+    def _draw(self, logits: torch.Tensor, requests: list[Request],
+              grammar: GrammarMask | None) -> tuple[torch.Tensor, ...]:
+        """Each row's token (greedy or drawn), whether its logits are finite, whether its top-p
+        draw is still open, the logits after the rules and before them: device tensors, made
+        without reading any value back to the host (on a GPU, without a sync)."""
+        finite = torch.isfinite(logits.sum(dim=-1))
+        if self.draw is not None and not bool(finite.all()):
+            # The CPU kernels take finite rows (and on the CPU reading the flag costs nothing);
+            # PyTorch's rules take any row, its token discarded.
+            logits = logits.masked_fill(~finite.unsqueeze(1), 0.0)
         params = [r.sampling_params for r in requests]
-        want_logprobs = [p.logprobs for p in params]
         raw = logits  # logprobs are the model's, before any rule below
 
         # The caller's logits are left as they are: edits below make new tensors.
@@ -134,25 +168,14 @@ class Sampler:
 
         sampled = [i for i, p in enumerate(params) if not p.greedy]
         if len(sampled) == len(requests):  # every row drawn: no copy of the rows, no argmax
-            tokens = self._sample(logits, requests)
+            tokens, still_open = self._sample(logits, requests)
         else:
             tokens = self.argmax(logits)
+            still_open = torch.zeros_like(finite)
             if sampled:
-                tokens[sampled] = self._sample(logits[sampled], [requests[i] for i in sampled])
-
-        token_list = tokens.tolist()
-        results = [SampleResult(tok) for tok in token_list]
-        asked = [i for i, k in enumerate(want_logprobs) if k is not None]
-        if asked:
-            rows = torch.tensor(asked, device=logits.device)
-            for i, entries in zip(asked, ranked_logprobs(
-                    torch.log_softmax(raw[rows], dim=-1), [token_list[i] for i in asked],
-                    [want_logprobs[i] for i in asked])):
-                results[i].logprobs = entries
-        for i in broken:
-            results[i] = SampleResult(0, error="the model produced non-finite logits (NaN or "
-                                               "inf) for this request")
-        return results
+                tokens[sampled], still_open[sampled] = self._sample(
+                    logits[sampled], [requests[i] for i in sampled])
+        return tokens, finite, still_open, logits, raw
 
     def _mask_early_stops(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         """Before min_tokens, EOS and stop token ids cannot be sampled."""
@@ -192,39 +215,25 @@ class Sampler:
         return (torch.where(seen, penalised, logits) - column("frequency_penalty") * counts
                 - column("presence_penalty") * (counts > 0).float())
 
-    def _uniforms(self, requests: list[Request]) -> torch.Tensor:
-        """One uniform in [0, 1) a row: a seeded request's from its own generator (so its
-        draws do not depend on the batch), the others' from the engine's."""
-        u = torch.rand(len(requests), generator=self.generator, device=self.device)
+    def _uniforms(self, requests: list[Request], rounds: int = 1) -> torch.Tensor:
+        """[rows, rounds] uniforms in [0, 1): a seeded request's from its own generator (so its
+        draws do not depend on the batch, nor on how many rounds its batch needed), the
+        others' from the engine's."""
+        u = torch.rand(len(requests), rounds, generator=self.generator, device=self.device)
         for i, r in enumerate(requests):
             gen = self._generator(r)
             if gen is not None:
-                u[i] = torch.rand(1, generator=gen, device=self.device)[0]
+                u[i] = torch.rand(rounds, generator=gen, device=self.device)
         return u
 
-    def _sample(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
-        """One token a row from softmax(logits / temperature) restricted to the top_k tokens,
-        then to the top_p nucleus of those (the fewest most likely whose mass reaches top_p),
-        then to the tokens at least min_p times as likely as the most likely; renormalised.
-        With ``draw`` (the CPU kernel) that is all done there, from one uniform a row.
-
-        Here, no row is sorted: the nucleus is found by rejection (as FlashInfer samples top-p): draw
-        from the tokens allowed so far (one uniform a row, inverse CDF), accept if the mass of
-        the tokens more likely than the draw is at most top_p, else no token as unlikely as it
-        can be in the nucleus, so the next draw is from the more likely ones only. Accepted
-        draws are distributed exactly as the nucleus renormalised; a few rounds end it (each
-        rejection removes the draw and everything below it), and rows still open after
-        MAX_ROUNDS are finished by a full sort."""
-        params = [r.sampling_params for r in requests]
+    def _rules(self, logits: torch.Tensor, params: list[SamplingParams]
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """softmax(logits / temperature) over each row's top_k tokens (probs), those of them at
+        least min_p times as likely as the most likely (allowed: the probs, others 0), and
+        each row's top_p."""
         B, V = logits.shape
         dev = logits.device
         temps = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev)
-        if self.draw is not None:
-            return self.draw(
-                logits, temps, torch.tensor([min(max(p.top_k, 0), V) for p in params]),
-                torch.tensor([p.top_p for p in params], dtype=torch.float32),
-                torch.tensor([p.min_p for p in params], dtype=torch.float32),
-                self._uniforms(requests).double())
         logits = logits / temps.unsqueeze(1)
         top_k = [min(p.top_k, V) if p.top_k > 0 else V for p in params]
         if any(k < V for k in top_k):  # each row's k largest stay (ties as topk breaks them)
@@ -232,37 +241,70 @@ class Sampler:
             keep = torch.arange(indices.shape[1], device=dev) < torch.tensor(
                 top_k, device=dev).unsqueeze(1)
             kept = torch.zeros(B, V, dtype=torch.bool, device=dev).scatter_(1, indices, keep)
-            kept[torch.tensor([k == V for k in top_k], device=dev)] = True
+            kept |= torch.tensor([k == V for k in top_k], device=dev).unsqueeze(1)
             logits = logits.masked_fill(~kept, _NEG_INF)
         probs = logits.softmax(dim=-1)
         allowed = probs
-        min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32, device=dev)
-        if bool((min_p > 0).any()):
+        if any(p.min_p > 0 for p in params):
+            min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32, device=dev)
             floor = min_p.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
             allowed = probs.masked_fill(probs < floor, 0.0)
         top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=dev)
-        tokens = torch.empty(B, dtype=torch.long, device=dev)
-        rows = torch.arange(B, device=dev)  # the rows still drawing
+        return probs, allowed, top_p
+
+    def _sample(self, logits: torch.Tensor, requests: list[Request]
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One token a row from the ``_rules``' allowed tokens restricted to the top_p nucleus
+        (the fewest most likely whose mass reaches top_p), renormalised; and which rows are
+        still open (none, but for the rare row after MAX_ROUNDS: ``_sorted_nucleus``). With
+        ``draw`` (the CPU kernel) that is all done there, from one uniform a row.
+
+        Here, no row is sorted: the nucleus is found by rejection (as FlashInfer samples top-p):
+        draw from the tokens allowed so far (one uniform a row, inverse CDF), accept if the mass
+        of the tokens more likely than the draw is at most top_p, else no token as unlikely as
+        it can be in the nucleus, so the next draw is from the more likely ones only. Accepted
+        draws are distributed exactly as the nucleus renormalised; a few rounds end it (each
+        rejection removes the draw and everything below it). Every row takes part in every
+        round (an accepted one keeps its token), so no round needs the host; on the CPU, where
+        asking costs nothing, the rounds stop once every row is accepted."""
+        params = [r.sampling_params for r in requests]
+        B, V = logits.shape
+        dev = logits.device
+        if self.draw is not None:
+            temps = torch.tensor([p.temperature for p in params], dtype=torch.float32)
+            return self.draw(
+                logits, temps, torch.tensor([min(max(p.top_k, 0), V) for p in params]),
+                torch.tensor([p.top_p for p in params], dtype=torch.float32),
+                torch.tensor([p.min_p for p in params], dtype=torch.float32),
+                self._uniforms(requests)[:, 0].double()), torch.zeros(B, dtype=torch.bool)
+        probs, allowed, top_p = self._rules(logits, params)
+        rounds = 1 if all(p.top_p >= 1 for p in params) else self.MAX_ROUNDS
+        u = self._uniforms(requests, rounds)
+        tokens = torch.zeros(B, dtype=torch.long, device=dev)
+        still_open = torch.ones(B, dtype=torch.bool, device=dev)
         low = torch.full((B,), -1.0, device=dev)  # each row draws from probs > low
-        for _ in range(self.MAX_ROUNDS):
-            row_probs = probs[rows]
-            candidates = allowed[rows].masked_fill(row_probs <= low[rows].unsqueeze(1), 0.0)
-            drawn = _inverse_cdf(candidates, self._uniforms([requests[i] for i in rows.tolist()]))
-            p_drawn = row_probs[torch.arange(len(rows), device=dev), drawn]
-            above = row_probs.masked_fill(row_probs <= p_drawn.unsqueeze(1), 0.0).sum(-1)
-            accept = (above <= top_p[rows]) | (top_p[rows] >= 1)
-            tokens[rows[accept]] = drawn[accept]
-            low[rows[~accept]] = p_drawn[~accept]
-            rows = rows[~accept]
-            if len(rows) == 0:
-                return tokens
-        for i in rows.tolist():  # (rare) the nucleus by a sort
-            order = probs[i].argsort(descending=True)
-            before = probs[i][order].cumsum(0) - probs[i][order]
-            nucleus = allowed[i].clone()
-            nucleus[order[(before > top_p[i]) & (torch.arange(V, device=dev) > 0)]] = 0.0
-            tokens[i] = _inverse_cdf(nucleus.unsqueeze(0), self._uniforms([requests[i]]))[0]
-        return tokens
+        for r in range(rounds):
+            candidates = allowed.masked_fill(probs <= low.unsqueeze(1), 0.0)
+            drawn = _inverse_cdf(candidates, u[:, r])
+            p_drawn = probs.gather(1, drawn.unsqueeze(1)).squeeze(1)
+            above = probs.masked_fill(probs <= p_drawn.unsqueeze(1), 0.0).sum(-1)
+            accept = still_open & ((above <= top_p) | (top_p >= 1))
+            tokens = torch.where(accept, drawn, tokens)
+            low = torch.where(still_open & ~accept, p_drawn, low)
+            still_open = still_open & ~accept
+            if self.host_reads_free and not bool(still_open.any()):
+                break
+        return tokens, still_open
+
+    def _sorted_nucleus(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        """The rows' tokens from their top_p nucleus found by sorting (``_sample``'s rare
+        remainder)."""
+        probs, allowed, top_p = self._rules(logits, [r.sampling_params for r in requests])
+        ordered, order = probs.sort(dim=-1, descending=True)
+        outside = (ordered.cumsum(dim=-1) - ordered) > top_p.unsqueeze(1)
+        outside[:, 0] = False  # the most likely token is always in
+        nucleus = allowed.masked_fill(torch.zeros_like(outside).scatter_(1, order, outside), 0.0)
+        return _inverse_cdf(nucleus, self._uniforms(requests)[:, 0])
 
 
 def _inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:

@@ -21,11 +21,17 @@ V = 50
 EOS = 0
 
 
-@pytest.fixture(scope="module", params=["torch", "kernel"])
+class SortingSampler(Sampler):
+    MAX_ROUNDS = 0  # every top-p row is left to the sort that finishes the rare open row
+
+
+@pytest.fixture(scope="module", params=["torch", "torch-sorted", "kernel"])
 def make(request):
-    """Sampler(vocab_size, seed) drawing in PyTorch or with the CPU kernel."""
-    if request.param == "torch":
-        return lambda vocab, seed: Sampler(vocab, torch.device("cpu"), seed)
+    """Sampler(vocab_size, seed) drawing in PyTorch (by rejection, or with every top-p row
+    by the sort) or with the CPU kernel."""
+    if request.param.startswith("torch"):
+        kind = Sampler if request.param == "torch" else SortingSampler
+        return lambda vocab, seed: kind(vocab, torch.device("cpu"), seed)
     lib = load_library(isa.current().tier)
     if lib is None:
         pytest.skip("the CPU kernels do not build here")
@@ -260,3 +266,25 @@ def test_penalties_and_a_grammar_mask_come_before_the_draw(make):
     want[allowed] = torch.softmax(penalised[allowed], -1)
     assert counts[want == 0].sum() == 0
     assert chi_square_p_value(counts, want * counts.sum()) > 1e-3
+
+
+def test_a_gpu_step_reads_nothing_back_before_its_one_transfer():
+    """The draw as on a GPU, on fake tensors (FakeTensorMode: shapes, no data), where any op
+    that needs a value on the host (a sync on a GPU: .item(), bool(), .tolist(), nonzero, a
+    boolean index) raises: every rule at once, a top-p row drawn in rounds, a seeded row, a
+    grammar."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from conveyor.worker.sampler import GrammarMask
+
+    sampler = Sampler(V, torch.device("cpu"), 3)
+    sampler.host_reads_free = False  # as on a GPU
+    batch = [req("greedy", temperature=0),
+             req("nucleus", outputs=[5], temperature=0.8, top_p=0.9, top_k=20, min_p=0.05,
+                 seed=4, presence_penalty=0.5, repetition_penalty=1.2, logprobs=2),
+             req("early", min_tokens=2, temperature=1.0, logit_bias={3: 2.0})]
+    with FakeTensorMode():
+        logits = torch.randn(3, V)
+        grammar = GrammarMask([1], torch.zeros(1, 2, dtype=torch.int32))
+        tokens, finite, still_open, _, _ = sampler._draw(logits, batch, grammar)
+    assert tokens.shape == finite.shape == still_open.shape == (3,)
