@@ -39,7 +39,7 @@ def run_conveyor(requests, policy: str, args) -> float:
 
     llm = LLM(model=args.model, dtype=args.dtype, policy=policy, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, threads=args.threads,
-              kv_cache_memory=args.kv_cache_memory)
+              kv_cache_memory=args.kv_cache_memory, device=args.device)
     params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for _, m in requests]
     prompts = [{"prompt_token_ids": p} for p, _ in requests]
     llm.generate(prompts[:2], [SamplingParams(max_tokens=4)] * 2, use_tqdm=False)  # warm-up
@@ -64,13 +64,16 @@ def run_transformers(requests, args) -> float:
     from conveyor.model.loader import default_model_path
 
     path = args.model or default_model_path()
-    dtype = EngineConfig(dtype=args.dtype).torch_dtype(None, torch.device("cpu"))  # Conveyor's
+    config = EngineConfig(dtype=args.dtype, device=args.device)
+    device = config.torch_device()
+    dtype = config.torch_dtype(None, device)  # Conveyor's
     if path.endswith(".gguf"):
         kw = dict(gguf_file=os.path.basename(path))
         path = os.path.dirname(path)
     else:
         kw = {}
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kw).eval()
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype,
+                                                              **kw).to(device).eval()
     pad = model.config.eos_token_id if isinstance(model.config.eos_token_id, int) else 0
     tokens, elapsed = 0, 0.0
     for i in range(0, len(requests), args.max_num_seqs):
@@ -80,8 +83,11 @@ def run_transformers(requests, args) -> float:
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p, _ in batch])
         longest = max(m for _, m in batch)
         start = time.perf_counter()
-        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=longest,
-                       min_new_tokens=longest, do_sample=False, pad_token_id=pad)
+        model.generate(input_ids=ids.to(device), attention_mask=mask.to(device),
+                       max_new_tokens=longest, min_new_tokens=longest, do_sample=False,
+                       pad_token_id=pad)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
         elapsed += time.perf_counter() - start
         tokens += sum(m for _, m in batch)
     print(f"  transformers static : {tokens} tokens in {elapsed:7.1f} s = "
@@ -93,6 +99,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default=None)
     p.add_argument("--dtype", default="auto")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
     p.add_argument("--num-prompts", type=int, default=128)
     p.add_argument("--max-num-seqs", type=int, default=32)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)

@@ -1,0 +1,220 @@
+"""The GPU path's figures in one run, written to one JSON: a Llama-3.2-1B-shaped random model
+(bfloat16, a Hugging Face folder written here) decoding alone and at 8/32/64 rows; the offline
+workload of ``offline_throughput.py`` (heavy-tailed outputs) under the continuous and static
+policies and transformers' ``generate`` in static batches; ``conveyor serve`` under ``conveyor
+bench serve`` at 64 concurrent requests; and a tiny float32 Llama's greedy tokens against
+transformers' on the same device, both policies, with preemption forced.
+
+On an H100/H200 it takes a few minutes. ``--device cpu --shape tiny`` runs every part on a tiny
+model: a dry run of the script, not a measurement.
+
+    .venv/bin/python benchmarks/gpu.py --out docs/results/gpu/h100.json
+    .venv/bin/python benchmarks/gpu.py --device cpu --shape tiny --out /tmp/gpu.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import httpx
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))  # the tiny checkpoints' writer and its tokenizer
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import offline_throughput  # noqa: E402
+from tiny_models import LLAMA3_ROPE_SCALING, make_tiny_checkpoint  # noqa: E402
+
+from conveyor import LLM, SamplingParams  # noqa: E402
+from conveyor.config import EngineConfig  # noqa: E402
+from conveyor.engine.engine import LLMEngine  # noqa: E402
+
+# transformers config keys of the published architecture (random weights)
+SHAPES = {
+    "llama-3.2-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                         num_attention_heads=32, num_key_value_heads=8, head_dim=64,
+                         vocab_size=128256, tie_word_embeddings=True, rope_theta=500000.0,
+                         rope_scaling=LLAMA3_ROPE_SCALING, max_position_embeddings=4096),
+    "tiny": {},  # tiny_models' defaults
+}
+EQUIVALENCE_PROMPTS, EQUIVALENCE_TOKENS, TIE = 8, 32, 1e-4
+
+
+def write_model(shape: str, folder: Path, dtype: torch.dtype) -> str:
+    """The shape's random Llama as a Hugging Face folder (kept and reused)."""
+    if not (folder / "config.json").exists():
+        make_tiny_checkpoint(folder, "llama", dtype=dtype, **SHAPES[shape])
+    return str(folder)
+
+
+@torch.inference_mode()
+def equivalence(folder: str, device: torch.device) -> dict:
+    """Greedy tokens of a tiny float32 Llama, Conveyor's against transformers' on the device:
+    identical, or parted where transformers' own top-2 logits tie (then the rest differs)."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        folder, dtype=torch.float32).to(device).eval()
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, model.config.vocab_size, (n,), generator=gen).tolist()
+               for n in torch.linspace(5, 90, EQUIVALENCE_PROMPTS).int().tolist()]
+    refs = []
+    for prompt in prompts:
+        out = model.generate(torch.tensor([prompt], device=device), do_sample=False,
+                             max_new_tokens=EQUIVALENCE_TOKENS, min_new_tokens=EQUIVALENCE_TOKENS,
+                             output_logits=True, return_dict_in_generate=True)
+        top2 = [logits[0].float().topk(2).values for logits in out.logits]
+        refs.append((out.sequences[0, len(prompt):].tolist(),
+                     [float(t[0] - t[1]) for t in top2]))
+    found = {}
+    for policy in ("continuous", "static"):
+        llm = LLM(model=folder, dtype="float32", device=str(device), policy=policy,
+                  block_size=16, num_kv_blocks=12, max_model_len=160, max_num_seqs=8,
+                  max_num_batched_tokens=64)
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                               SamplingParams(temperature=0, max_tokens=EQUIVALENCE_TOKENS,
+                                              ignore_eos=True), use_tqdm=False)
+        identical = tied = differ = 0
+        for o, (ref, gaps) in zip(outputs, refs):
+            ours = o.outputs[0].token_ids
+            first = next((i for i, (a, b) in enumerate(zip(ours, ref)) if a != b), None)
+            if first is None:
+                identical += 1
+            elif gaps[first] <= TIE:
+                tied += 1
+            else:
+                differ += 1
+        found[policy] = dict(identical=identical, parted_at_ties=tied, differ=differ,
+                             preemptions=sum(o.metrics.num_preemptions for o in outputs))
+        llm.engine.shutdown()
+        del llm
+    print(f"equivalence: {found}", flush=True)
+    return found
+
+
+def decode_steps(folder: str, device: torch.device, sizes: list[int], context: int,
+                 steps: int) -> dict:
+    """Median time of a decode step of each size (requests of ``context`` prompt tokens)."""
+    engine = LLMEngine(EngineConfig(model=folder, device=str(device), dtype="auto",
+                                    max_num_seqs=max(sizes), enable_prefix_caching=False))
+    gen = torch.Generator().manual_seed(0)
+    vocab = engine.model_config.vocab_size
+    found = {"kernels": engine.runner.kernel_path}
+    for batch in sizes:
+        ids = [f"{batch}-{i}" for i in range(batch)]
+        for rid in ids:
+            engine.add_request(rid, torch.randint(100, vocab, (context,), generator=gen).tolist(),
+                               SamplingParams(temperature=0, max_tokens=steps + 8,
+                                              ignore_eos=True))
+        while any(r.num_output_tokens == 0 for r in engine.scheduler.requests.values()):
+            engine.step()
+        times = []
+        for _ in range(steps):
+            start = time.perf_counter()
+            engine.step()  # (its tokens come back to the host: the step is done on the device)
+            times.append(time.perf_counter() - start)
+        for rid in ids:
+            engine.abort_request(rid)
+        found[str(batch)] = {"step_ms": 1e3 * statistics.median(times[2:]),
+                             "tokens_per_s": batch / statistics.median(times[2:])}
+        print(f"decode {batch:>3} rows: {found[str(batch)]['step_ms']:.2f} ms a step", flush=True)
+    engine.shutdown()
+    return found
+
+
+def offline(folder: str, device: torch.device, num_prompts: int, batch: int) -> dict:
+    args = SimpleNamespace(model=folder, dtype="auto", device=str(device),
+                           max_num_seqs=batch, max_num_batched_tokens=2048, threads=None,
+                           kv_cache_memory=None)
+    requests = offline_throughput.make_requests(num_prompts, 0, vocab=49152)
+    found = {policy: offline_throughput.run_conveyor(requests, policy, args)
+             for policy in ("continuous", "static")}
+    found["transformers"] = offline_throughput.run_transformers(requests, args)
+    found["continuous_over_static"] = found["continuous"] / found["static"]
+    found["continuous_over_transformers"] = found["continuous"] / found["transformers"]
+    return {"requests": num_prompts, "batch": batch, "tokens_per_s": found}
+
+
+def serve(folder: str, device: torch.device, concurrency: int, num_prompts: int,
+          workdir: Path) -> dict:
+    """``conveyor serve`` in its own process, ``conveyor bench serve`` against it."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    conveyor = str(Path(sys.executable).parent / "conveyor")
+    server = subprocess.Popen([conveyor, "serve", folder, "--port", str(port), "--device",
+                               str(device), "--max-num-seqs",
+                               str(concurrency)], stdout=subprocess.DEVNULL,
+                              stderr=open(workdir / "server.log", "w"))
+    try:
+        deadline = time.monotonic() + 600
+        while True:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if server.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the server did not start: see {workdir / 'server.log'}")
+            time.sleep(1)
+        subprocess.run([conveyor, "bench", "serve", "--port", str(port), "--tokenizer", folder,
+                        "--num-prompts", str(num_prompts), "--max-concurrency",
+                        str(concurrency), "--random-input-len", "256",
+                        "--random-output-len", "256", "--ignore-eos", "--disable-tqdm",
+                        "--save-result", "--result-dir", str(workdir),
+                        "--result-filename", "serve.json"], check=True)
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+    return json.loads((workdir / "serve.json").read_text())
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--shape", default="llama-3.2-1b", choices=sorted(SHAPES))
+    p.add_argument("--workdir", default=None, help="where the models are written (kept)")
+    p.add_argument("--sizes", default="1,8,32,64")
+    p.add_argument("--num-prompts", type=int, default=128, help="the offline workload's")
+    p.add_argument("--concurrency", type=int, default=64)
+    p.add_argument("--skip", default="", help="comma-separated parts to skip: equivalence, "
+                                              "decode, offline, serve")
+    p.add_argument("--out", required=True)
+    args = p.parse_args()
+    device = torch.device(args.device)
+    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="conveyor-gpu-"))
+    skip = set(filter(None, args.skip.split(",")))
+    result = {"device": torch.cuda.get_device_name(device) if device.type == "cuda"
+              else platform.processor() or "cpu", "torch": torch.__version__,
+              "shape": args.shape}
+    if "equivalence" not in skip:
+        result["equivalence"] = equivalence(write_model("tiny", workdir / "tiny",
+                                                        torch.float32), device)
+    folder = write_model(args.shape, workdir / args.shape, torch.bfloat16)
+    if "decode" not in skip:
+        result["decode"] = decode_steps(folder, device, [int(s) for s in args.sizes.split(",")],
+                                        context=256, steps=20)
+    if "offline" not in skip:
+        result["offline"] = offline(folder, device, args.num_prompts, batch=32)
+    if "serve" not in skip:
+        result["serve"] = serve(folder, device, args.concurrency, 4 * args.concurrency,
+                                workdir)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=1))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
