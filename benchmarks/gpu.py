@@ -29,6 +29,7 @@ from types import SimpleNamespace
 
 import httpx
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))  # the tiny checkpoints' writer and its tokenizer
@@ -40,6 +41,8 @@ from tiny_models import LLAMA3_ROPE_SCALING, make_tiny_checkpoint  # noqa: E402
 from conveyor import LLM, SamplingParams  # noqa: E402
 from conveyor.config import EngineConfig  # noqa: E402
 from conveyor.engine.engine import LLMEngine  # noqa: E402
+from conveyor.kernels import library  # noqa: E402
+from conveyor.model import flex_attention  # noqa: E402
 
 # transformers config keys of the published architecture (random weights)
 SHAPES = {
@@ -134,6 +137,62 @@ def decode_steps(folder: str, device: torch.device, sizes: list[int], context: i
     return found
 
 
+class OpCounter(TorchDispatchMode):
+    """Counts the ATen ops dispatched but views (on a GPU each is a kernel launch, or a few),
+    a FlexAttention call as one (compiled, it is one kernel; unfused, as off CUDA, many)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __enter__(self):
+        unfused = flex_attention.flex_attention
+
+        def one_kernel(*args, **kwargs):
+            self.count += 1
+            with _disable_current_modes():
+                return unfused(*args, **kwargs)
+
+        flex_attention.flex_attention = one_kernel
+        self._unfused = unfused
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        flex_attention.flex_attention = self._unfused
+        return super().__exit__(*exc)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += not func.is_view  # (a view launches nothing)
+        return func(*args, **(kwargs or {}))
+
+
+def dispatched_ops(folder: str, rows: int) -> dict:
+    """ATen ops one eager decode step of ``rows`` rows dispatches, network and sampling, with
+    each attention backend: counted on the CPU off its kernels, where the network runs the
+    PyTorch ops it runs on CUDA (TORCH_SDPA there is the path CUDA took before FlexAttention).
+    A step replayed from a CUDA graph is one launch instead. (A small pool: off CUDA
+    FlexAttention runs unfused, its scores over every slot.)"""
+    found = {}
+    os.environ[library.OFF] = "off"
+    for backend in ("TORCH_SDPA", "FLEX_ATTENTION"):
+        engine = LLMEngine(EngineConfig(model=folder, device="cpu", dtype="auto",
+                                        max_num_seqs=rows, attention_backend=backend,
+                                        num_kv_blocks=8 * rows,
+                                        enforce_eager=True, enable_prefix_caching=False))
+        for i in range(rows):
+            engine.add_request(str(i), list(range(100, 164)),
+                               SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+        while any(r.num_output_tokens == 0 for r in engine.scheduler.requests.values()):
+            engine.step()
+        with OpCounter() as counter:
+            engine.step()
+        found[backend] = counter.count
+        engine.shutdown()
+    del os.environ[library.OFF]
+    print(f"ops a {rows}-row decode step dispatches: {found}", flush=True)
+    return found
+
+
 def offline(folder: str, device: torch.device, num_prompts: int, batch: int) -> dict:
     args = SimpleNamespace(model=folder, dtype="auto", device=str(device),
                            max_num_seqs=batch, max_num_batched_tokens=2048, threads=None,
@@ -190,7 +249,7 @@ def main() -> None:
     p.add_argument("--num-prompts", type=int, default=128, help="the offline workload's")
     p.add_argument("--concurrency", type=int, default=64)
     p.add_argument("--skip", default="", help="comma-separated parts to skip: equivalence, "
-                                              "decode, offline, serve")
+                                              "decode, ops, offline, serve")
     p.add_argument("--out", required=True)
     args = p.parse_args()
     device = torch.device(args.device)
@@ -206,6 +265,8 @@ def main() -> None:
     if "decode" not in skip:
         result["decode"] = decode_steps(folder, device, [int(s) for s in args.sizes.split(",")],
                                         context=256, steps=20)
+    if "ops" not in skip:
+        result["ops"] = dispatched_ops(folder, rows=32)
     if "offline" not in skip:
         result["offline"] = offline(folder, device, args.num_prompts, batch=32)
     if "serve" not in skip:

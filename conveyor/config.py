@@ -175,10 +175,12 @@ class EngineConfig:
                                self.policy, self.scheduling_policy)
 
     def attention(self, device: torch.device) -> str:
-        """The attention backend ``attention_backend`` names on this device."""
+        """The attention backend ``attention_backend`` names on this device (auto: FlexAttention
+        on CUDA, unless the cache is int8, which it does not read)."""
         if self.attention_backend != "auto":
             return self.attention_backend
-        return "FLEX_ATTENTION" if device.type == "cuda" else "TORCH_SDPA"
+        return ("FLEX_ATTENTION" if device.type == "cuda" and self.kv_cache_dtype != "int8"
+                else "TORCH_SDPA")
 
     def decode_graphs(self, device: torch.device) -> bool:
         """Whether decode steps replay CUDA graphs (FlexAttention's metadata is built on the

@@ -69,3 +69,17 @@ def test_flags_parse_back_into_the_same_settings(max_num_seqs, budget, policy, s
     args = serve_flags(to_flags(engine) + to_flags(server))
     assert from_namespace(EngineConfig, args) == engine
     assert from_namespace(ServerConfig, args) == server
+
+
+def test_cuda_takes_flex_attention_and_decode_graphs_unless_told_otherwise():
+    import torch
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert EngineConfig().attention(cpu) == "TORCH_SDPA" and not EngineConfig().decode_graphs(cpu)
+    assert EngineConfig().attention(cuda) == "FLEX_ATTENTION" and EngineConfig().decode_graphs(cuda)
+    assert not EngineConfig(enforce_eager=True).decode_graphs(cuda)
+    # an int8 cache, which FlexAttention does not read: the other backend, and no graphs
+    int8 = EngineConfig(kv_cache_dtype="int8")
+    assert int8.attention(cuda) == "TORCH_SDPA" and not int8.decode_graphs(cuda)
+    assert not EngineConfig(attention_backend="TORCH_SDPA").decode_graphs(cuda)
+    assert EngineConfig(attention_backend="FLEX_ATTENTION").attention(cpu) == "FLEX_ATTENTION"

@@ -88,17 +88,21 @@ def test_block_mask_lists_every_page_a_query_reads(step, window):
 @pytest.mark.slow
 def test_the_compiled_kernel_visits_the_listed_pages_only_and_agrees():
     """The fused kernel (inductor's, compiled on this CPU: the unfused path reads every slot)
-    skips the pages a block does not list; the result is the same."""
-    tables = [[3, 7, -1], [5, -1, -1], [0, 3, 9]]
-    queries = [(0, 6), (1, 2), (2, 9), (2, 10), (2, 11)] + [(0, 7)] * 14
+    skips the pages a block does not list; the result is the same. A later step's mask (new
+    tables, a new mask_mod closure) of the same shapes reuses the compiled kernel."""
+    from torch._dynamo.utils import counters
+
     torch.manual_seed(0)
     k_cache, v_cache = (torch.randn(PAGES, BS, KV_HEADS, DIM) for _ in range(2))
-    q = torch.randn(len(queries), HEADS, DIM)
-    pages = flex_pages(tables, queries)
-    compiled = torch.compile(flex_attention, dynamic=False)
-    out = compiled(q.transpose(0, 1).unsqueeze(0),
-                   k_cache.view(1, -1, KV_HEADS, DIM).transpose(1, 2),
-                   v_cache.view(1, -1, KV_HEADS, DIM).transpose(1, 2),
-                   block_mask=pages.block_mask(None), enable_gqa=True)
-    torch.testing.assert_close(out.squeeze(0).transpose(0, 1),
-                               reference(q, k_cache, v_cache, tables, queries, None, None))
+    compiled = torch.compile(flex_attention, dynamic=False, fullgraph=True)
+    counters.clear()
+    for tables in ([[3, 7, -1], [5, -1, -1], [0, 3, 9]], [[1, 2, -1], [11, -1, -1], [4, 1, 6]]):
+        queries = [(0, 6), (1, 2), (2, 9), (2, 10), (2, 11)] + [(0, 7)] * 14
+        q = torch.randn(len(queries), HEADS, DIM)
+        out = compiled(q.transpose(0, 1).unsqueeze(0),
+                       k_cache.view(1, -1, KV_HEADS, DIM).transpose(1, 2),
+                       v_cache.view(1, -1, KV_HEADS, DIM).transpose(1, 2),
+                       block_mask=flex_pages(tables, queries).block_mask(None), enable_gqa=True)
+        torch.testing.assert_close(out.squeeze(0).transpose(0, 1),
+                                   reference(q, k_cache, v_cache, tables, queries, None, None))
+    assert counters["stats"]["unique_graphs"] == 1
