@@ -103,9 +103,11 @@ class FlexPages:
         run = _compiled() if on_gpu else flex_attention
         out = run(q.transpose(0, 1).unsqueeze(0), keys, values, score_mod=_soft_cap(softcap),
                   block_mask=self.block_mask(window), scale=scale, enable_gqa=heads != kv_heads,
-                  # the kernel's tiles within a sparse block: a page of keys
-                  kernel_options={"BLOCK_M": Q_BLOCK, "BLOCK_N": self.block_size}
-                  if on_gpu else None)
+                  # the kernel's tiles are the sparse blocks (a page of keys), and the main
+                  # kernel takes short steps too: vLLM's choices for a mask built from block
+                  # tables
+                  kernel_options={"BLOCK_M": Q_BLOCK, "BLOCK_N": self.block_size,
+                                  "FORCE_USE_FLEX_ATTENTION": True} if on_gpu else None)
         return out.squeeze(0).transpose(0, 1)
 
 
