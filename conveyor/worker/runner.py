@@ -132,10 +132,11 @@ class ModelRunner:
             scratch_page=num_blocks, block_size=block_size, device=device,
             capture=device.type == "cuda")
         if self.flex:
-            self.kernel_path += "; attention by FlexAttention" + (
-                f", decodes of up to {graph_rows} rows " + ("in CUDA graphs" if
-                                                           self.graphs.capture else "padded")
-                if self.graphs is not None else "")
+            self.kernel_path += "; attention by FlexAttention"
+        if self.graphs is not None:
+            self.kernel_path += (f", decode steps of up to {graph_rows} rows padded"
+                                 + (" and replayed from CUDA graphs" if self.graphs.capture
+                                    else ""))
         self._bitmask = BatchBitmask()
         self._bitmask_thread = ThreadPoolExecutor(1, thread_name_prefix="conveyor-bitmask")
 
@@ -144,6 +145,13 @@ class ModelRunner:
 
     def _inputs(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """The plan's token ids, positions and attention metadata as tensors."""
+        if self.flex:
+            positions, owners, tables = plan.sequences(self.block_size)
+            flex = FlexPages(self._tensor(positions, torch.int32),
+                             self._tensor(owners, torch.int32),
+                             self._tensor(tables, torch.int32), self.block_size, self.num_pages)
+            return (self._tensor(plan.ids), self._tensor(plan.rope_rows),
+                    AttentionMetadata(self._tensor(plan.slots), [], [], flex=flex))
         groups, offset = [], 0
         for table, context_lens in plan.decode_groups:
             # int32, as the kernel reads them (index_select and the mask take int32 too)
@@ -158,12 +166,6 @@ class ModelRunner:
             offset += n
         meta = AttentionMetadata(self._tensor(plan.slots), groups, prefills, self.decode_kernel,
                                  self.rope_kv_write)
-        if self.flex:
-            positions, owners, tables = plan.sequences(self.block_size)
-            meta.flex = FlexPages(self._tensor(positions, torch.int32),
-                                  self._tensor(owners, torch.int32),
-                                  self._tensor(tables, torch.int32), self.block_size,
-                                  self.num_pages)
         return self._tensor(plan.ids), self._tensor(plan.rope_rows), meta
 
     def _start_grammar_mask(self, sampling: list[Request]
