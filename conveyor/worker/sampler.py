@@ -264,9 +264,10 @@ class Sampler:
         of the tokens more likely than the draw is at most top_p, else no token as unlikely as
         it can be in the nucleus, so the next draw is from the more likely ones only. Accepted
         draws are distributed exactly as the nucleus renormalised; a few rounds end it (each
-        rejection removes the draw and everything below it). Every row takes part in every
-        round (an accepted one keeps its token), so no round needs the host; on the CPU, where
-        asking costs nothing, the rounds stop once every row is accepted."""
+        rejection removes the draw and everything below it). On a GPU every row takes part in
+        every round (an accepted one keeps its token), so no round needs the host; on the CPU,
+        where asking costs nothing, a round takes the open rows only, and the rounds stop once
+        every row is accepted."""
         params = [r.sampling_params for r in requests]
         B, V = logits.shape
         dev = logits.device
@@ -284,16 +285,19 @@ class Sampler:
         still_open = torch.ones(B, dtype=torch.bool, device=dev)
         low = torch.full((B,), -1.0, device=dev)  # each row draws from probs > low
         for r in range(rounds):
-            candidates = allowed.masked_fill(probs <= low.unsqueeze(1), 0.0)
-            drawn = _inverse_cdf(candidates, u[:, r])
-            p_drawn = probs.gather(1, drawn.unsqueeze(1)).squeeze(1)
-            above = probs.masked_fill(probs <= p_drawn.unsqueeze(1), 0.0).sum(-1)
-            accept = still_open & ((above <= top_p) | (top_p >= 1))
-            tokens = torch.where(accept, drawn, tokens)
-            low = torch.where(still_open & ~accept, p_drawn, low)
-            still_open = still_open & ~accept
-            if self.host_reads_free and not bool(still_open.any()):
+            # the open rows: on the CPU just those (reading which is free), on a GPU all
+            rows = still_open.nonzero().squeeze(1) if self.host_reads_free else slice(None)
+            if self.host_reads_free and len(rows) == 0:
                 break
+            p, is_open = probs[rows], still_open[rows]
+            candidates = allowed[rows].masked_fill(p <= low[rows].unsqueeze(1), 0.0)
+            drawn = _inverse_cdf(candidates, u[rows, r])
+            p_drawn = p.gather(1, drawn.unsqueeze(1)).squeeze(1)
+            above = p.masked_fill(p <= p_drawn.unsqueeze(1), 0.0).sum(-1)
+            accept = is_open & ((above <= top_p[rows]) | (top_p[rows] >= 1))
+            tokens[rows] = torch.where(accept, drawn, tokens[rows])
+            low[rows] = torch.where(is_open & ~accept, p_drawn, low[rows])
+            still_open[rows] = is_open & ~accept
         return tokens, still_open
 
     def _sorted_nucleus(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
