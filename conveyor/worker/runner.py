@@ -20,6 +20,7 @@ from conveyor.model.config import ModelConfig
 from conveyor.model.families import network
 from conveyor.model.flex_attention import FlexPages
 from conveyor.model.kv_cache import head_bytes, head_width
+from conveyor.model.moe import MoETransformer
 from conveyor.model.rope import longrope_switch, model_rope_tables
 from conveyor.worker.decode_graphs import DecodeGraphs
 from conveyor.worker.sampler import GrammarMask, Sampler, SampleResult, ranked_logprobs
@@ -127,12 +128,16 @@ class ModelRunner:
             stack_rows=None if stack is None else stack.max_rows,
             every_token_a_query=batch_invariant)
         self.block_size = block_size
-        self.graphs = None if not graph_rows else DecodeGraphs(
+        # (the experts' routing reads its counts back to the host each layer: no graph holds it)
+        moe = isinstance(self.model, MoETransformer)
+        self.graphs = None if not graph_rows or moe else DecodeGraphs(
             self._decode_step, graph_rows, -(-max_model_len // block_size),
             scratch_page=num_blocks, block_size=block_size, device=device,
             capture=device.type == "cuda")
         if self.flex:
             self.kernel_path += "; attention by FlexAttention"
+        if graph_rows and moe:
+            self.kernel_path += ", decode steps eager (a mixture of experts)"
         if self.graphs is not None:
             self.kernel_path += (f", decode steps of up to {graph_rows} rows padded"
                                  + (" and replayed from CUDA graphs" if self.graphs.capture

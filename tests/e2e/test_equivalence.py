@@ -155,8 +155,8 @@ def test_tiny_checkpoints_match_transformers(tiny_paths, on_path, name, path, po
 FLEX_TINY = ("llama", "gemma2", "mistral-window", "phi3-partial-longrope", "qwen3_moe")
 
 
-@pytest.mark.parametrize("name", FLEX_TINY)
-@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "padded-decodes"])
+@pytest.mark.parametrize("name,graphs", [(name, False) for name in FLEX_TINY] + [
+    (name, True) for name in FLEX_TINY if "moe" not in name])  # (experts decode eagerly)
 def test_flex_attention_matches_transformers(tiny_paths, monkeypatch, name, graphs):
     """With decode graphs as on CUDA (captured there; here the same padded buffers run
     eagerly): a decode step is padded up the ladder, its padding rows on the scratch page."""

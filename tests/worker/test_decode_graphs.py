@@ -3,12 +3,14 @@ buffers run eagerly, as the e2e FlexAttention tests run them through whole model
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
 from conveyor.worker.decode_graphs import DecodeGraphs, graph_sizes, padded_size
 from conveyor.worker.step_plan import StepPlan
+from tiny_models import make_tiny_checkpoint
 
 
 def test_the_ladder_is_vllms():
@@ -51,3 +53,44 @@ def test_padding_rows_read_and_write_only_the_scratch_page():
     # a step with a prompt chunk, or past the largest size, runs eagerly
     assert graphs.run(StepPlan(ids=[1, 2], prefills=[(2, 0, None)])) is None
     assert graphs.run(StepPlan(ids=list(range(13)))) is None
+
+
+@pytest.mark.parametrize("arch,overrides", [
+    ("llama", {}), ("gemma2", {"sliding_window": 24}), ("phi3", {"partial_rotary_factor": 0.5}),
+    ("qwen3", {})])
+def test_a_captured_step_reads_nothing_back_to_the_host(tmp_path, monkeypatch, arch, overrides):
+    """What a CUDA graph captures (``ModelRunner._decode_step``: metadata, network) on fake
+    tensors (FakeTensorMode: shapes, no data), where any op that needs a value on the host (a
+    sync, which a capture cannot hold) raises. The network as on CUDA: plain PyTorch."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from conveyor import LLM
+    from conveyor.config import EngineConfig
+
+    monkeypatch.setenv("CONVEYOR_CPU_KERNELS", "off")
+    monkeypatch.setattr(EngineConfig, "decode_graphs", lambda self, device: True)
+    llm = LLM(model=make_tiny_checkpoint(tmp_path, arch, **overrides), dtype="float32",
+              num_kv_blocks=16, max_num_seqs=8, max_model_len=160,
+              attention_backend="FLEX_ATTENTION")
+    try:
+        runner = llm.engine.runner
+        with torch.inference_mode(), FakeTensorMode(allow_non_fake_inputs=True):
+            hidden = runner._decode_step(*runner.graphs._inputs(8))
+        assert hidden.shape == (8, runner.config.hidden_size)
+    finally:
+        llm.engine.shutdown()
+
+
+def test_a_mixture_of_experts_decodes_eagerly(tmp_path, monkeypatch):
+    """Its routing counts each expert's rows on the host, each layer: no graph can hold that."""
+    from conveyor import LLM
+    from conveyor.config import EngineConfig
+
+    monkeypatch.setattr(EngineConfig, "decode_graphs", lambda self, device: True)
+    llm = LLM(model=make_tiny_checkpoint(tmp_path, "qwen3_moe"), dtype="float32",
+              num_kv_blocks=16, attention_backend="FLEX_ATTENTION")
+    try:
+        assert llm.engine.runner.graphs is None
+        assert "decode steps eager" in llm.engine.runner.kernel_path
+    finally:
+        llm.engine.shutdown()
