@@ -184,9 +184,11 @@ class EngineConfig:
 
     def decode_graphs(self, device: torch.device) -> bool:
         """Whether decode steps replay CUDA graphs (FlexAttention's metadata is built on the
-        device, so a whole step can be captured; the CPU path's is not)."""
+        device, so a whole step can be captured; the CPU path's is not). Not yet with tensor
+        parallel ranks: a capture holding their collectives has not run (docs/gpu.md)."""
         return (not self.enforce_eager and device.type == "cuda"
-                and self.attention(device) == "FLEX_ATTENTION")
+                and self.attention(device) == "FLEX_ATTENTION"
+                and self.tensor_parallel_size == 1)
 
     def torch_device(self) -> torch.device:
         import torch

@@ -78,6 +78,7 @@ def test_cuda_takes_flex_attention_and_decode_graphs_unless_told_otherwise():
     assert EngineConfig().attention(cpu) == "TORCH_SDPA" and not EngineConfig().decode_graphs(cpu)
     assert EngineConfig().attention(cuda) == "FLEX_ATTENTION" and EngineConfig().decode_graphs(cuda)
     assert not EngineConfig(enforce_eager=True).decode_graphs(cuda)
+    assert not EngineConfig(tensor_parallel_size=2).decode_graphs(cuda)
     # an int8 cache, which FlexAttention does not read: the other backend, and no graphs
     int8 = EngineConfig(kv_cache_dtype="int8")
     assert int8.attention(cuda) == "TORCH_SDPA" and not int8.decode_graphs(cuda)
