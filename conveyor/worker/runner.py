@@ -99,6 +99,10 @@ class ModelRunner:
                              "device, in the graph)")
         with torch.device("meta"):
             self.model = network(config)(config, head_rows)
+        # (the experts' routing reads its counts back to the host each layer: no graph holds it)
+        moe_eager = graph_rows > 0 and isinstance(self.model, MoETransformer)
+        if moe_eager:
+            graph_rows = 0
         kv_dtype = kv_dtype or dtype
         # graphs' padding rows write to a page past the pool's (decode_graphs)
         self.num_pages = num_blocks + (graph_rows > 0)
@@ -128,15 +132,13 @@ class ModelRunner:
             stack_rows=None if stack is None else stack.max_rows,
             every_token_a_query=batch_invariant)
         self.block_size = block_size
-        # (the experts' routing reads its counts back to the host each layer: no graph holds it)
-        moe = isinstance(self.model, MoETransformer)
-        self.graphs = None if not graph_rows or moe else DecodeGraphs(
+        self.graphs = None if not graph_rows else DecodeGraphs(
             self._decode_step, graph_rows, -(-max_model_len // block_size),
             scratch_page=num_blocks, block_size=block_size, device=device,
             capture=device.type == "cuda")
         if self.flex:
             self.kernel_path += "; attention by FlexAttention"
-        if graph_rows and moe:
+        if moe_eager:
             self.kernel_path += ", decode steps eager (a mixture of experts)"
         if self.graphs is not None:
             self.kernel_path += (f", decode steps of up to {graph_rows} rows padded"
@@ -149,14 +151,7 @@ class ModelRunner:
         return torch.tensor(data, dtype=dtype, device=self.device)
 
     def _inputs(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        """The plan's token ids, positions and attention metadata as tensors."""
-        if self.flex:
-            positions, owners, tables = plan.sequences(self.block_size)
-            flex = FlexPages(self._tensor(positions, torch.int32),
-                             self._tensor(owners, torch.int32),
-                             self._tensor(tables, torch.int32), self.block_size, self.num_pages)
-            return (self._tensor(plan.ids), self._tensor(plan.rope_rows),
-                    AttentionMetadata(self._tensor(plan.slots), [], [], flex=flex))
+        """The plan's token ids, positions and attention metadata as tensors (TORCH_SDPA)."""
         groups, offset = [], 0
         for table, context_lens in plan.decode_groups:
             # int32, as the kernel reads them (index_select and the mask take int32 too)
@@ -191,6 +186,12 @@ class ModelRunner:
         rank runs this on the same plan, its layers meeting the others' at the all-reduces."""
         if self.graphs is not None and (hidden := self.graphs.run(plan)) is not None:
             return hidden
+        if self.flex:
+            positions, owners, tables = plan.sequences(self.block_size)
+            return self._flex_step(self._tensor(plan.ids), self._tensor(plan.rope_rows),
+                                   self._tensor(plan.slots), self._tensor(positions, torch.int32),
+                                   self._tensor(owners, torch.int32),
+                                   self._tensor(tables, torch.int32))
         return self._network(*self._inputs(plan))
 
     def _network(self, ids: torch.Tensor, rope_rows: torch.Tensor,
@@ -204,6 +205,12 @@ class ModelRunner:
         """A step of single-token queries from tensors alone (``DecodeGraphs``' buffers), each
         query its own sequence: what a CUDA graph captures."""
         owners = torch.arange(len(ids), dtype=torch.int32, device=ids.device)
+        return self._flex_step(ids, rope_rows, slots, positions, owners, tables)
+
+    def _flex_step(self, ids: torch.Tensor, rope_rows: torch.Tensor, slots: torch.Tensor,
+                   positions: torch.Tensor, owners: torch.Tensor,
+                   tables: torch.Tensor) -> torch.Tensor:
+        """The network with FlexAttention over the step's flat layout (``StepPlan.sequences``)."""
         flex = FlexPages(positions, owners, tables, self.block_size, self.num_pages)
         return self._network(ids, rope_rows, AttentionMetadata(slots, [], [], flex=flex))
 
