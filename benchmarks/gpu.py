@@ -36,6 +36,7 @@ sys.path.insert(0, str(ROOT / "tests"))  # the tiny checkpoints' writer and its 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import offline_throughput  # noqa: E402
+from step_profile import decode_step_times  # noqa: E402
 from tiny_models import LLAMA3_ROPE_SCALING, make_tiny_checkpoint  # noqa: E402
 
 from conveyor import LLM, SamplingParams  # noqa: E402
@@ -113,25 +114,10 @@ def decode_steps(folder: str, device: torch.device, sizes: list[int], context: i
     engine = LLMEngine(EngineConfig(model=folder, device=str(device), dtype="auto",
                                     max_num_seqs=max(sizes), enable_prefix_caching=False))
     gen = torch.Generator().manual_seed(0)
-    vocab = engine.model_config.vocab_size
     found = {"kernels": engine.runner.kernel_path}
     for batch in sizes:
-        ids = [f"{batch}-{i}" for i in range(batch)]
-        for rid in ids:
-            engine.add_request(rid, torch.randint(100, vocab, (context,), generator=gen).tolist(),
-                               SamplingParams(temperature=0, max_tokens=steps + 8,
-                                              ignore_eos=True))
-        while any(r.num_output_tokens == 0 for r in engine.scheduler.requests.values()):
-            engine.step()
-        times = []
-        for _ in range(steps):
-            start = time.perf_counter()
-            engine.step()  # (its tokens come back to the host: the step is done on the device)
-            times.append(time.perf_counter() - start)
-        for rid in ids:
-            engine.abort_request(rid)
-        found[str(batch)] = {"step_ms": 1e3 * statistics.median(times[2:]),
-                             "tokens_per_s": batch / statistics.median(times[2:])}
+        step = statistics.median(decode_step_times(engine, batch, context, steps, gen)[2:])
+        found[str(batch)] = {"step_ms": 1e3 * step, "tokens_per_s": batch / step}
         print(f"decode {batch:>3} rows: {found[str(batch)]['step_ms']:.2f} ms a step", flush=True)
     engine.shutdown()
     return found

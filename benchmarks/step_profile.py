@@ -132,6 +132,28 @@ def linear_gflop(config, rows: int) -> float:
     return 2 * rows * per_row / 1e9
 
 
+def decode_step_times(engine: LLMEngine, batch: int, context: int, steps: int,
+                      gen: torch.Generator) -> list[float]:
+    """The seconds of ``steps`` decode steps of ``batch`` requests (``context`` random prompt
+    tokens each, greedy), once all of them decode; the requests are aborted after."""
+    vocab = engine.model_config.vocab_size
+    ids = [f"{batch}-{i}" for i in range(batch)]
+    for rid in ids:
+        prompt = torch.randint(100, vocab, (context,), generator=gen).tolist()
+        engine.add_request(rid, prompt, SamplingParams(temperature=0, max_tokens=steps + 8,
+                                                       ignore_eos=True))
+    while any(r.num_output_tokens == 0 for r in engine.scheduler.requests.values()):
+        engine.step()
+    times = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        engine.step()  # (it returns the tokens to the host: on a GPU, the step is done)
+        times.append(time.perf_counter() - t)
+    for rid in ids:
+        engine.abort_request(rid)
+    return times
+
+
 def curve(engine: LLMEngine, sizes: list[int], prefills: list[int], context: int,
           steps: int) -> None:
     """Decode steps at each batch size, then each prefill length's chunk alone."""
@@ -141,21 +163,7 @@ def curve(engine: LLMEngine, sizes: list[int], prefills: list[int], context: int
     print(f"{'rows':>6} {'step ms':>9} {'tok/s':>8} {'GFLOP/s':>8}" + (
         f" {'of FMA peak':>12}" if peak else ""))
     for batch in sizes:
-        ids = [f"{batch}-{i}" for i in range(batch)]
-        for rid in ids:
-            prompt = torch.randint(100, vocab, (context,), generator=gen).tolist()
-            engine.add_request(rid, prompt, SamplingParams(temperature=0, max_tokens=steps + 8,
-                                                           ignore_eos=True))
-        while any(r.num_output_tokens == 0 for r in engine.scheduler.requests.values()):
-            engine.step()
-        times = []
-        for _ in range(steps):
-            t = time.perf_counter()
-            engine.step()
-            times.append(time.perf_counter() - t)
-        for rid in ids:
-            engine.abort_request(rid)
-        step = statistics.median(times[2:])
+        step = statistics.median(decode_step_times(engine, batch, context, steps, gen)[2:])
         rate = linear_gflop(config, batch) / step
         print(f"{batch:>6} {step * 1e3:>9.1f} {batch / step:>8.1f} {rate:>8.0f}"
               + (f" {rate / peak:>12.0%}" if peak else ""))
