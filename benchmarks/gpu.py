@@ -6,7 +6,10 @@ bench serve`` at 64 concurrent requests; and a tiny float32 Llama's greedy token
 transformers' on the same device, both policies, with preemption forced.
 
 On an H100/H200 it takes a few minutes. ``--device cpu --shape tiny`` runs every part on a tiny
-model: a dry run of the script, not a measurement.
+model: a dry run of the script, not a measurement. The JSON is rewritten after each part, with
+the seconds each took, so a run cut short keeps what it measured. ``--tokenizer`` names a saved
+tokenizer for the written models where the default model's GGUF is not installed (the device
+machine: ``benchmarks/gpu_carry.sh``, docs/gpu.md).
 
     .venv/bin/python benchmarks/gpu.py --out docs/results/gpu/h100.json
     .venv/bin/python benchmarks/gpu.py --device cpu --shape tiny --out /tmp/gpu.json
@@ -56,10 +59,14 @@ SHAPES = {
 EQUIVALENCE_PROMPTS, EQUIVALENCE_TOKENS, TIE = 8, 32, 1e-4
 
 
-def write_model(shape: str, folder: Path, dtype: torch.dtype) -> str:
-    """The shape's random Llama as a Hugging Face folder (kept and reused)."""
+def write_model(shape: str, folder: Path, dtype: torch.dtype, tokenizer: str | None) -> str:
+    """The shape's random Llama as a Hugging Face folder (kept and reused), with the tokenizer
+    saved in ``tokenizer`` or, where None, SmolLM2's from the default model's GGUF."""
     if not (folder / "config.json").exists():
-        make_tiny_checkpoint(folder, "llama", dtype=dtype, **SHAPES[shape])
+        import transformers
+
+        make_tiny_checkpoint(folder, "llama", dtype=dtype, **SHAPES[shape], tokenizer=(
+            transformers.AutoTokenizer.from_pretrained(tokenizer) if tokenizer else None))
     return str(folder)
 
 
@@ -236,31 +243,43 @@ def main() -> None:
     p.add_argument("--concurrency", type=int, default=64)
     p.add_argument("--skip", default="", help="comma-separated parts to skip: equivalence, "
                                               "decode, ops, offline, serve")
+    p.add_argument("--tokenizer", default=None,
+                   help="a saved tokenizer's folder for the written models (default: SmolLM2's, "
+                        "read from the default model's GGUF)")
     p.add_argument("--out", required=True)
     args = p.parse_args()
     device = torch.device(args.device)
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="conveyor-gpu-"))
     skip = set(filter(None, args.skip.split(",")))
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
     result = {"device": torch.cuda.get_device_name(device) if device.type == "cuda"
               else platform.processor() or "cpu", "torch": torch.__version__,
-              "shape": args.shape}
-    if "equivalence" not in skip:
-        result["equivalence"] = equivalence(write_model("tiny", workdir / "tiny",
-                                                        torch.float32), device)
-    folder = write_model(args.shape, workdir / args.shape, torch.bfloat16)
-    if "decode" not in skip:
-        result["decode"] = decode_steps(folder, device, [int(s) for s in args.sizes.split(",")],
-                                        context=256, steps=20)
-    if "ops" not in skip:
-        result["ops"] = dispatched_ops(folder, rows=32)
-    if "offline" not in skip:
-        result["offline"] = offline(folder, device, args.num_prompts, batch=32)
-    if "serve" not in skip:
-        result["serve"] = serve(folder, device, args.concurrency, 4 * args.concurrency,
-                                workdir)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1))
-    print(f"wrote {args.out}")
+              "shape": args.shape, "seconds": {}}
+    sizes = [int(s) for s in args.sizes.split(",")]
+    parts = {
+        "equivalence": lambda: equivalence(
+            write_model("tiny", workdir / "tiny", torch.float32, args.tokenizer), device),
+        "model": lambda: write_model(args.shape, workdir / args.shape, torch.bfloat16,
+                                     args.tokenizer),
+        "decode": lambda: decode_steps(folder, device, sizes, context=256, steps=20),
+        "ops": lambda: dispatched_ops(folder, rows=32),
+        "offline": lambda: offline(folder, device, args.num_prompts, batch=32),
+        "serve": lambda: serve(folder, device, args.concurrency, 4 * args.concurrency,
+                               workdir),
+    }
+    for name, part in parts.items():
+        if name in skip - {"model"}:  # (the other parts need the model)
+            continue
+        start = time.monotonic()
+        found = part()
+        if name == "model":
+            folder = found
+        else:
+            result[name] = found
+        result["seconds"][name] = round(time.monotonic() - start, 1)
+        out.write_text(json.dumps(result, indent=1))
+        print(f"{name}: {result['seconds'][name]} s, wrote {out}", flush=True)
 
 
 if __name__ == "__main__":

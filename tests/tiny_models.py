@@ -131,16 +131,19 @@ def make_tiny_model(arch: str, **overrides: Any) -> transformers.PreTrainedModel
 
 
 def make_tiny_checkpoint(folder: str | os.PathLike[str], arch: str, *,
-                         dtype: torch.dtype = torch.float32, **overrides: Any) -> str:
+                         dtype: torch.dtype = torch.float32,
+                         tokenizer: transformers.PreTrainedTokenizerBase | None = None,
+                         **overrides: Any) -> str:
     """Write a tiny HF checkpoint (safetensors, config, SmolLM2 tokenizer) into folder and return its path.
 
     arch is one of _CONFIG_CLASSES' keys; dtype the tensors' (float32, or rounded to
-    bfloat16 or float16); overrides are transformers config kwargs (e.g.
+    bfloat16 or float16); tokenizer, where given, replaces SmolLM2's read from the default
+    model's GGUF (a machine without that file); overrides are transformers config kwargs (e.g.
     tie_word_embeddings=True, rope_scaling=LLAMA3_ROPE_SCALING).
     """
     folder = os.fspath(folder)
     make_tiny_model(arch, **overrides).to(dtype).save_pretrained(folder)
-    smollm2_tokenizer().save_pretrained(folder)
+    (tokenizer or smollm2_tokenizer()).save_pretrained(folder)
     return folder
 
 
