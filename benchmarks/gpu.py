@@ -117,7 +117,9 @@ def equivalence(folder: str, device: torch.device) -> dict:
 
 def decode_steps(folder: str, device: torch.device, sizes: list[int], context: int,
                  steps: int) -> dict:
-    """Median time of a decode step of each size (requests of ``context`` prompt tokens)."""
+    """Median time of a decode step of each size (requests of ``context`` prompt tokens) and,
+    on CUDA, the kernels' time in such a step: the rest of the step is the host's, which
+    asynchronous scheduling could hide behind the device's work."""
     engine = LLMEngine(EngineConfig(model=folder, device=str(device), dtype="auto",
                                     max_num_seqs=max(sizes), enable_prefix_caching=False))
     gen = torch.Generator().manual_seed(0)
@@ -125,9 +127,24 @@ def decode_steps(folder: str, device: torch.device, sizes: list[int], context: i
     for batch in sizes:
         step = statistics.median(decode_step_times(engine, batch, context, steps, gen)[2:])
         found[str(batch)] = {"step_ms": 1e3 * step, "tokens_per_s": batch / step}
-        print(f"decode {batch:>3} rows: {found[str(batch)]['step_ms']:.2f} ms a step", flush=True)
+        if device.type == "cuda":
+            found[str(batch)]["kernels_ms"] = kernel_ms(engine, batch, context, 5, gen)
+        print(f"decode {batch:>3} rows: {found[str(batch)]}", flush=True)
     engine.shutdown()
     return found
+
+
+def kernel_ms(engine: LLMEngine, batch: int, context: int, steps: int,
+              gen: torch.Generator) -> float:
+    """The device's kernel time a decode step of ``batch`` rows, from torch.profiler (kernels
+    replayed from a graph included), summed as its tables' device-time total is."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+    decode_step_times(engine, batch, context, steps, gen, around=lambda: prof)
+    return sum(e.self_device_time_total for e in prof.events()
+               if e.device_type == DeviceType.CUDA and not e.is_user_annotation) / 1e3 / steps
 
 
 class OpCounter(TorchDispatchMode):

@@ -30,6 +30,8 @@ import os
 import statistics
 import time
 from collections import defaultdict
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from functools import partial
 
 import torch
@@ -133,9 +135,11 @@ def linear_gflop(config, rows: int) -> float:
 
 
 def decode_step_times(engine: LLMEngine, batch: int, context: int, steps: int,
-                      gen: torch.Generator) -> list[float]:
+                      gen: torch.Generator,
+                      around: Callable[[], AbstractContextManager] = nullcontext) -> list[float]:
     """The seconds of ``steps`` decode steps of ``batch`` requests (``context`` random prompt
-    tokens each, greedy), once all of them decode; the requests are aborted after."""
+    tokens each, greedy), once all of them decode, the steps inside ``around()`` (a profiler,
+    say); the requests are aborted after."""
     vocab = engine.model_config.vocab_size
     ids = [f"{batch}-{i}" for i in range(batch)]
     for rid in ids:
@@ -145,10 +149,11 @@ def decode_step_times(engine: LLMEngine, batch: int, context: int, steps: int,
     while any(r.num_output_tokens == 0 for r in engine.scheduler.requests.values()):
         engine.step()
     times = []
-    for _ in range(steps):
-        t = time.perf_counter()
-        engine.step()  # (it returns the tokens to the host: on a GPU, the step is done)
-        times.append(time.perf_counter() - t)
+    with around():
+        for _ in range(steps):
+            t = time.perf_counter()
+            engine.step()  # (it returns the tokens to the host: on a GPU, the step is done)
+            times.append(time.perf_counter() - t)
     for rid in ids:
         engine.abort_request(rid)
     return times
