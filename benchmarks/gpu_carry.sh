@@ -2,14 +2,15 @@
 # What a device machine without package registries needs to run benchmarks/gpu.py, gathered
 # here into .gpu/ (git-ignored; the device tool's `carry`): wheels for its Python (3.12) of
 # every dependency, pip taking there only those its image lacks, and the default model's
-# tokenizer, whose GGUF is too large to carry. Run from the repository root:
+# tokenizer, whose GGUF is too large to carry. Run from the repository root, with the .venv the
+# README's commands make:
 #
 #     sh benchmarks/gpu_carry.sh
 #
 # then on the device machine (docs/gpu.md), with .gpu carried:
 #
 #     python3 -m pip install -q --no-index --find-links .gpu/wheels -e . &&
-#     python3 benchmarks/gpu.py --tokenizer .gpu/tokenizer --out $OUT/gpu.json
+#     python3 benchmarks/gpu.py --tokenizer .gpu/tokenizer --skip ops --out $OUT/gpu.json
 set -eu
 PYTHON_VERSION=${PYTHON_VERSION:-3.12}
 mkdir -p .gpu/wheels
