@@ -58,15 +58,15 @@ class DecodeGraphs:
         size = padded_size(n, self.sizes)
         if size is None or plan.prefills:
             return None
-        positions, _, tables = plan.sequences(self.block_size)
-        pad, width = size - n, self.tables.shape[1]
+        width = self.tables.shape[1]
+        positions, _, tables = plan.sequences(self.block_size, width)
         scratch = [self.scratch_page] + [-1] * (width - 1)
         self._fill(self.ids, plan.ids, 0, size)
         self._fill(self.rope_rows, plan.rope_rows, 0, size)
         self._fill(self.slots, plan.slots, self.scratch_page * self.block_size, size)
         self._fill(self.positions, positions, 0, size)
-        rows = [t + [-1] * (width - len(t)) for t in tables] + [scratch] * pad
-        self.tables[:size].copy_(torch.tensor(rows, dtype=torch.int32), non_blocking=True)
+        self.tables[:size].copy_(torch.tensor(tables + [scratch] * (size - n),
+                                              dtype=torch.int32), non_blocking=True)
         if not self.capture:
             return self.step(*self._inputs(size))[:n]
         if size not in self._graphs:

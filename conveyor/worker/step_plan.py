@@ -53,10 +53,11 @@ class StepPlan:
     logits_rows: list[int] = field(default_factory=list)  # the rows that sample
     prompt_rows: list[int] = field(default_factory=list)  # the rows whose prompt logprobs count
 
-    def sequences(self, block_size: int) -> tuple[list[int], list[int], list[list[int]]]:
+    def sequences(self, block_size: int, width: int | None = None
+                  ) -> tuple[list[int], list[int], list[list[int]]]:
         """The step as FlexAttention reads it (``model/flex_attention.py``): each query's
-        position and sequence, and each sequence's pages (padded with -1): a sequence a
-        single-token query, and one a chunk."""
+        position and sequence, and each sequence's pages (padded with -1 to ``width``, or to
+        the longest): a sequence a single-token query, and one a chunk."""
         positions, owners, tables = [], [], []
         for table, context_lens in self.decode_groups:
             for row, n in zip(table, context_lens):  # (the rows are padded with page 0)
@@ -71,7 +72,7 @@ class StepPlan:
             owners += [len(tables)] * n
             tables.append(pages)
             at += n
-        width = max(map(len, tables))
+        width = width or max(map(len, tables))
         return positions, owners, [t + [-1] * (width - len(t)) for t in tables]
 
 

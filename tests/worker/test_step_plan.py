@@ -81,6 +81,8 @@ def test_every_token_takes_its_row_slot_and_context(block_size, prompts, max_tok
         for pos, owner, (_, blocks) in zip(flex_positions, owners, tables):
             pages = [p for p in flex_tables[owner] if p >= 0]
             assert len(pages) > pos // block_size and pages == blocks[:len(pages)]
+        wide = max(map(len, flex_tables)) + 3  # (the decode graphs' buffers are wider)
+        assert plan.sequences(block_size, wide)[2] == [t + [-1] * 3 for t in flex_tables]
 
         # attention: each query row's block table and context length, or its chunk's
         rows = [(table, ctx) for table, ctx in plan.decode_groups]
