@@ -21,7 +21,6 @@ import argparse
 import json
 import os
 import platform
-import socket
 import statistics
 import subprocess
 import sys
@@ -30,23 +29,24 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
-import httpx
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))  # the tiny checkpoints' writer and its tokenizer
+sys.path.insert(0, str(ROOT / "tests"))  # the tiny checkpoints' writer, the equivalence runs
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import offline_throughput  # noqa: E402
+from equivalence import NEW_TOKENS, TIE, hf_greedy, random_prompts, run_conveyor  # noqa: E402
 from step_profile import decode_step_times  # noqa: E402
 from tiny_models import LLAMA3_ROPE_SCALING, make_tiny_checkpoint  # noqa: E402
 
-from conveyor import LLM, SamplingParams  # noqa: E402
+from conveyor import SamplingParams  # noqa: E402
 from conveyor.config import EngineConfig  # noqa: E402
 from conveyor.engine.engine import LLMEngine  # noqa: E402
 from conveyor.kernels import library  # noqa: E402
 from conveyor.model import flex_attention  # noqa: E402
+from conveyor.process import ConveyorServer  # noqa: E402
 
 # transformers config keys of the published architecture (random weights)
 SHAPES = {
@@ -56,7 +56,6 @@ SHAPES = {
                          rope_scaling=LLAMA3_ROPE_SCALING, max_position_embeddings=4096),
     "tiny": {},  # tiny_models' defaults
 }
-EQUIVALENCE_PROMPTS, EQUIVALENCE_TOKENS, TIE = 8, 32, 1e-4
 
 
 def write_model(shape: str, folder: Path, dtype: torch.dtype, tokenizer: str | None) -> str:
@@ -70,33 +69,19 @@ def write_model(shape: str, folder: Path, dtype: torch.dtype, tokenizer: str | N
     return str(folder)
 
 
-@torch.inference_mode()
 def equivalence(folder: str, device: torch.device) -> dict:
-    """Greedy tokens of a tiny float32 Llama, Conveyor's against transformers' on the device:
-    identical, or parted where transformers' own top-2 logits tie (then the rest differs)."""
+    """Greedy tokens of a tiny float32 Llama, Conveyor's against transformers' on the device
+    (``tests/equivalence.py``'s runs, preemption forced by a small pool): identical, or parted
+    where transformers' own top-2 logits tie (then the rest differs)."""
     import transformers
 
     model = transformers.AutoModelForCausalLM.from_pretrained(
         folder, dtype=torch.float32).to(device).eval()
-    gen = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(3, model.config.vocab_size, (n,), generator=gen).tolist()
-               for n in torch.linspace(5, 90, EQUIVALENCE_PROMPTS).int().tolist()]
-    refs = []
-    for prompt in prompts:
-        out = model.generate(torch.tensor([prompt], device=device), do_sample=False,
-                             max_new_tokens=EQUIVALENCE_TOKENS, min_new_tokens=EQUIVALENCE_TOKENS,
-                             output_logits=True, return_dict_in_generate=True)
-        top2 = [logits[0].float().topk(2).values for logits in out.logits]
-        refs.append((out.sequences[0, len(prompt):].tolist(),
-                     [float(t[0] - t[1]) for t in top2]))
+    prompts = random_prompts(model.config.vocab_size)
+    refs = [hf_greedy(model, p, NEW_TOKENS) for p in prompts]
     found = {}
     for policy in ("continuous", "static"):
-        llm = LLM(model=folder, dtype="float32", device=str(device), policy=policy,
-                  block_size=16, num_kv_blocks=12, max_model_len=160, max_num_seqs=8,
-                  max_num_batched_tokens=64)
-        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                               SamplingParams(temperature=0, max_tokens=EQUIVALENCE_TOKENS,
-                                              ignore_eos=True), use_tqdm=False)
+        outputs = run_conveyor(folder, prompts, policy, device=str(device), num_kv_blocks=12)
         identical = tied = differ = 0
         for o, (ref, gaps) in zip(outputs, refs):
             ours = o.outputs[0].token_ids
@@ -109,8 +94,6 @@ def equivalence(folder: str, device: torch.device) -> dict:
                 differ += 1
         found[policy] = dict(identical=identical, parted_at_ties=tied, differ=differ,
                              preemptions=sum(o.metrics.num_preemptions for o in outputs))
-        llm.engine.shutdown()
-        del llm
     print(f"equivalence: {found}", flush=True)
     return found
 
@@ -219,34 +202,15 @@ def offline(folder: str, device: torch.device, num_prompts: int, batch: int) -> 
 def serve(folder: str, device: torch.device, concurrency: int, num_prompts: int,
           workdir: Path) -> dict:
     """``conveyor serve`` in its own process, ``conveyor bench serve`` against it."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    conveyor = str(Path(sys.executable).parent / "conveyor")
-    server = subprocess.Popen([conveyor, "serve", folder, "--port", str(port), "--device",
-                               str(device), "--max-num-seqs",
-                               str(concurrency)], stdout=subprocess.DEVNULL,
-                              stderr=open(workdir / "server.log", "w"))
-    try:
-        deadline = time.monotonic() + 600
-        while True:
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if server.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"the server did not start: see {workdir / 'server.log'}")
-            time.sleep(1)
-        subprocess.run([conveyor, "bench", "serve", "--port", str(port), "--tokenizer", folder,
+    with ConveyorServer([folder, "--device", str(device), "--max-num-seqs", str(concurrency)],
+                        str(workdir / "server.log")) as server:
+        subprocess.run([sys.executable, "-m", "conveyor.cli", "bench", "serve", "--port",
+                        str(server.port), "--tokenizer", folder,
                         "--num-prompts", str(num_prompts), "--max-concurrency",
                         str(concurrency), "--random-input-len", "256",
                         "--random-output-len", "256", "--ignore-eos", "--disable-tqdm",
                         "--save-result", "--result-dir", str(workdir),
                         "--result-filename", "serve.json"], check=True)
-    finally:
-        server.terminate()
-        server.wait(timeout=60)
     return json.loads((workdir / "serve.json").read_text())
 
 

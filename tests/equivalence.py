@@ -40,17 +40,18 @@ def random_prompts(vocab: int) -> list[list[int]]:
 
 @torch.inference_mode()
 def hf_greedy(model, prompt: list[int], new_tokens: int) -> tuple[list[int], list[float]]:
-    """transformers' greedy continuation with its KV cache, and the top-2 logit gap at each step."""
+    """transformers' greedy continuation with its KV cache, and the top-2 logit gap at each step
+    (on the model's device)."""
     tokens, gaps = [], []
     cache = transformers.DynamicCache()
-    inputs = torch.tensor([prompt])
+    inputs = torch.tensor([prompt], device=model.device)
     for _ in range(new_tokens):
         out = model(input_ids=inputs, past_key_values=cache, use_cache=True)
         logits = out.logits[0, -1].float()
         top2 = logits.topk(2).values
         tokens.append(int(logits.argmax()))
         gaps.append(float(top2[0] - top2[1]))
-        inputs = torch.tensor([[tokens[-1]]])
+        inputs = torch.tensor([[tokens[-1]]], device=model.device)
     return tokens, gaps
 
 
