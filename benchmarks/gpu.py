@@ -41,7 +41,6 @@ from equivalence import NEW_TOKENS, TIE, hf_greedy, random_prompts, run_conveyor
 from step_profile import decode_step_times  # noqa: E402
 from tiny_models import LLAMA3_ROPE_SCALING, make_tiny_checkpoint  # noqa: E402
 
-from conveyor import SamplingParams  # noqa: E402
 from conveyor.config import EngineConfig  # noqa: E402
 from conveyor.engine.engine import LLMEngine  # noqa: E402
 from conveyor.kernels import library  # noqa: E402
@@ -172,13 +171,9 @@ def dispatched_ops(folder: str, rows: int) -> dict:
                                         max_num_seqs=rows, attention_backend=backend,
                                         num_kv_blocks=8 * rows,
                                         enforce_eager=True, enable_prefix_caching=False))
-        for i in range(rows):
-            engine.add_request(str(i), list(range(100, 164)),
-                               SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
-        while any(r.num_output_tokens == 0 for r in engine.scheduler.requests.values()):
-            engine.step()
-        with OpCounter() as counter:
-            engine.step()
+        counter = OpCounter()
+        decode_step_times(engine, rows, 64, 1, torch.Generator().manual_seed(0),
+                          around=lambda: counter)
         found[backend] = counter.count
         engine.shutdown()
     del os.environ[library.OFF]
