@@ -94,20 +94,27 @@ def test_a_request_is_the_same_whatever_its_batch_chunks_and_cache(tier):
 
 
 def test_dense_weights_are_invariant_too(tmp_path):
-    """A Hugging Face folder at the machine's tier: dense weights (prepacked for oneDNN in
-    bfloat16) and a tied dense head, a fixed number of rows a matmul; no decode stack."""
+    """A Hugging Face folder at the machine's tier. With bfloat16 arithmetic: dense weights
+    (prepacked for oneDNN in bfloat16) and a tied dense head, a fixed number of rows a matmul;
+    no decode stack. Without it (float32) no weight is dense: the F32 block kernel reads them
+    all, the decode stack included."""
     # SmolLM2's widths (at 128 wide, oneDNN's bfloat16 rows came out the same without the fixed
     # shapes; at these they do not)
     folder = make_tiny_checkpoint(tmp_path, "llama", tie_word_embeddings=True, hidden_size=576,
                                   intermediate_size=1536, num_attention_heads=9,
                                   num_key_value_heads=3)
-    llm = LLM(folder, batch_invariant=True, num_kv_blocks=16, max_model_len=64, dtype="bfloat16"
-              if isa.current().native_bf16 else "float32")
+    dense = isa.current().native_bf16
+    dtype = "bfloat16" if dense else "float32"
+    llm = LLM(folder, batch_invariant=True, num_kv_blocks=16, max_model_len=64, dtype=dtype)
     model = llm.engine.runner.model
-    assert model.decode_stack is None and model.head_rows_a_call is not None
-    assert all(m.rows_a_call for m in model.modules() if isinstance(m, Linear))
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    if dense:
+        assert model.decode_stack is None and model.head_rows_a_call is not None
+        assert all(m.rows_a_call for m in linears)
+    else:
+        assert model.decode_stack is not None and all(m.quantized is not None for m in linears)
     del llm
-    check_invariance(model=folder, dtype="bfloat16" if isa.current().native_bf16 else "float32")
+    check_invariance(model=folder, dtype=dtype)
 
 
 def test_batch_invariance_is_refused_where_it_cannot_hold(monkeypatch):
