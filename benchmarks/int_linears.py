@@ -35,7 +35,7 @@ def main() -> None:
                    help="the integer modes take calls of up to N rows (default: their int_rows)")
     args = p.parse_args()
     engine = LLMEngine(EngineConfig(model=args.model, max_num_seqs=1, num_kv_blocks=8,
-                                    max_model_len=64))
+                                    max_model_len=64, activation_quant="none"))
     model = engine.runner.model
     calls = [(m.quantized, m.in_features) for m in model.layers.modules()
              if isinstance(m, Linear) and m.quant_linear is not None]
@@ -48,6 +48,9 @@ def main() -> None:
                                 mode).quant_linear for mode in MODES}
     for mode in MODES[1:] if args.int_rows is not None else ():
         linears[mode].int_rows = args.int_rows
+    # each mode's copy of the weights in the format it reads (int8 repacks where its tier does)
+    formats = {mode: [(tuple(linear.in_format(w) for w in runs), k) for runs, k in calls]
+               for mode, linear in linears.items()}
     weights = sum(w.blocks.numel() for runs, _ in calls for w in runs)
     print(f"{args.model or 'the default model'}: {len(calls)} block linears, "
           f"{weights / 2**20:.0f} MiB of blocks; tier {tier}, {engine.dtype}, "
@@ -58,7 +61,7 @@ def main() -> None:
         for _ in range(args.repeats):
             for mode in MODES:
                 t = time.perf_counter()
-                for runs, k in calls:
+                for runs, k in formats[mode]:
                     linears[mode](inputs[k], runs)
                 times[mode].append(time.perf_counter() - t)
         base = statistics.median(times["none"])

@@ -206,6 +206,7 @@ class DequantRows:
         assert ids.dtype == torch.int64 and ids.device.type == "cpu"
         k = weight.blocks.shape[1] // weight.block_bytes * weight.block_values
         out = torch.empty(len(ids), k, dtype=self.dtype)
+        assert not weight.repacked
         rc = self._fn(weight.blocks.data_ptr(), weight.blocks.stride(0), weight.ggml_type,
                       ids.data_ptr(), len(ids), k, out.data_ptr(), out.stride(0),
                       torch.get_num_threads())
@@ -252,6 +253,10 @@ class QuantLinear:
 
     def in_format(self, weight: QuantizedWeight) -> QuantizedWeight:
         """The weight's blocks as this kernel reads them."""
+        return self.lookup_format(weight)
+
+    def lookup_format(self, weight: QuantizedWeight) -> QuantizedWeight:
+        """The weight's blocks as the float kernels and ``DequantRows`` read them."""
         return weight.widened() if self.wide and weight.ggml_type in WIDE_SCALARS else weight
 
     def __call__(self, x: torch.Tensor, weight: QuantizedWeight | tuple[QuantizedWeight, ...],
@@ -270,7 +275,7 @@ class QuantLinear:
             assert w.ggml_type in self.types
             assert w.blocks.shape[1] == k // w.block_values * w.block_bytes
             part = None if bias is None else bias[n0:n0 + w.blocks.shape[0]]
-            whole = self._takes_whole(rows, w.ggml_type)
+            whole = self._takes_whole(rows, w)
             if rows > self.max_rows and self._dense_rows is not None and not whole:
                 self._dense_pieces(x, w, part, y[:, n0:n0 + w.blocks.shape[0]])
             else:
@@ -281,7 +286,7 @@ class QuantLinear:
             n0 += w.blocks.shape[0]
         return y
 
-    def _takes_whole(self, rows: int, ggml_type: int) -> bool:
+    def _takes_whole(self, rows: int, weight: QuantizedWeight) -> bool:
         """Whether one kernel call takes all ``rows`` rows past ``max_rows``."""
         return False
 
@@ -299,6 +304,7 @@ class QuantLinear:
     def _call(self, x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None,
               y: torch.Tensor) -> None:
         rows, k = x.shape
+        assert not w.repacked
         rc = self._fn(x.data_ptr(), x.stride(0), w.blocks.data_ptr(), w.blocks.stride(0),
                       w.ggml_type, None if bias is None else bias.data_ptr(), y.data_ptr(),
                       y.stride(0), rows, w.blocks.shape[0], k, int(self.invariant),
@@ -316,48 +322,70 @@ class IntQuantLinear(QuantLinear):
     on the K-quants) and multiplied with the blocks' integers (csrc/avx512/quant_linear_int.c:
     VNNI; csrc/avx2/: pmaddubsw; plain C below). Calls of more than ``int_rows`` rows, and dense
     weights, take the float kernels where they are faster (docs/results/activation-quant): at
-    the avx512/amx tiers past a decode's few rows; at the avx2 tier int8 on the K-quants is
-    faster at every row count (its super-block integer sums), so it takes them all. The
-    weights are in the float kernels' format."""
+    the avx512/amx tiers past a decode's few rows. Where the tier's library repacks the
+    K-quants for int8 (the avx2 tier: csrc/repacked.h) they are read so at every row count,
+    faster than the float kernels; the other weights are in the float kernels' format."""
 
     LEVELS = {"int16": 16383, "int8": 127}
     # the most rows the integer kernel is faster at, at the avx512/amx tiers (AMX or the few-row
     # FMA kernel take more); its two products a value make int16 faster only at one
     INT_ROWS = {"int16": 1, "int8": 4}
     # the most rows int8 takes K-quant calls at, on its super-block integer sums, by tier: at
-    # avx2 faster at every row count; at avx512 than the FMA kernel and the dense rows up to
-    # 16 (docs/results/moe#int8-super-blocks); AMX unmeasured, so int_rows there
-    SUPERBLOCK_ROWS = {"avx2": QuantLinear.ANY_ROWS, "avx512": 16}
+    # avx512 faster than the FMA kernel and the dense rows up to 16
+    # (docs/results/moe#int8-super-blocks); AMX unmeasured, so int_rows there; at avx2 the
+    # repacked K-quants take every call
+    SUPERBLOCK_ROWS = {"avx512": 16}
 
     def __init__(self, lib: ctypes.CDLL, dtype: torch.dtype, mode: str, tier: str) -> None:
         super().__init__(lib, dtype)
         self.mode, self.levels, self.int_rows = mode, self.LEVELS[mode], self.INT_ROWS[mode]
         self.superblock_rows = self.SUPERBLOCK_ROWS.get(tier, 0) if mode == "int8" else 0
         self._int_fn = entry(lib, "quant_linear_int", dtype)
+        self._repack = (bind(lib, "repack_rows"), bind(lib, "repacked_row_bytes")) if (
+            mode == "int8" and dtype == torch.float32 and hasattr(lib, "repack_rows")) else None
 
-    def takes(self, rows: int, ggml_type: int) -> bool:
-        """Whether a call of ``rows`` rows on ``ggml_type`` blocks runs on integers."""
-        if ggml_type in DENSE_TYPES.values():
+    def in_format(self, weight: QuantizedWeight) -> QuantizedWeight:
+        """The float kernels' format, or the K-quants repacked where this tier's int8 kernel
+        reads them so (a copy, rows padded to a multiple of 8 in its storage)."""
+        weight = self.lookup_format(weight)
+        if self._repack is None or weight.ggml_type not in K_QUANTS or weight.repacked:
+            return weight
+        repack, row_bytes = self._repack
+        n, k = weight.blocks.shape[0], weight.in_features
+        width = row_bytes(weight.ggml_type, k)
+        if width < 0:
+            return weight
+        out = torch.empty(-(-n // 8) * 8, width, dtype=torch.uint8)
+        code = repack(weight.blocks.data_ptr(), weight.blocks.stride(0), weight.ggml_type, n, k,
+                      out.data_ptr(), torch.get_num_threads())
+        assert code > 0
+        return QuantizedWeight(weight.ggml_type, out[:n], repacked=code,
+                               repacked_bytes=width // (k // weight.block_values))
+
+    def takes(self, rows: int, weight: QuantizedWeight) -> bool:
+        """Whether a call of ``rows`` rows on these blocks runs on integers."""
+        if weight.ggml_type in DENSE_TYPES.values():
             return False
-        return rows <= self.int_rows or (ggml_type in K_QUANTS and rows <= self.superblock_rows)
+        return bool(weight.repacked) or rows <= self.int_rows or (
+            weight.ggml_type in K_QUANTS and rows <= self.superblock_rows)
 
-    def _takes_whole(self, rows: int, ggml_type: int) -> bool:
-        return self.takes(rows, ggml_type)
+    def _takes_whole(self, rows: int, weight: QuantizedWeight) -> bool:
+        return self.takes(rows, weight)
 
     def _call(self, x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None,
               y: torch.Tensor) -> None:
         rows, k = x.shape
-        if not self.takes(rows, w.ggml_type):
+        if not self.takes(rows, w):
             return super()._call(x, w, bias, y)
         rc = self._int_fn(x.data_ptr(), x.stride(0), w.blocks.data_ptr(), w.blocks.stride(0),
-                          w.ggml_type, None if bias is None else bias.data_ptr(), y.data_ptr(),
+                          w.kernel_type, None if bias is None else bias.data_ptr(), y.data_ptr(),
                           y.stride(0), rows, w.blocks.shape[0], k, self.levels,
                           torch.get_num_threads())
         if rc == -2:
             raise MemoryError("quant_linear_int: no memory for its scratch buffers")
         if rc != 0:
             raise ValueError(f"quant_linear_int: {rows} rows of {k} with ggml type "
-                             f"{w.ggml_type} is not handled")
+                             f"{w.kernel_type} is not handled")
 
 
 class _Run(ctypes.Structure):
@@ -377,7 +405,7 @@ def matrix(runs: tuple[QuantizedWeight, ...], dtype: torch.dtype) -> _Matrix:
         assert w.blocks.stride(1) == 1
         assert w.wide == (dtype == torch.bfloat16 and w.ggml_type in WIDE_SCALARS)
     return _Matrix((_Run * _Matrix.MAX_RUNS)(*[
-        _Run(w.blocks.data_ptr(), w.blocks.stride(0), w.ggml_type, w.blocks.shape[0])
+        _Run(w.blocks.data_ptr(), w.blocks.stride(0), w.kernel_type, w.blocks.shape[0])
         for w in runs]), len(runs))
 
 

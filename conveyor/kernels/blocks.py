@@ -34,6 +34,10 @@ class QuantizedWeight:
     ggml_type: int
     blocks: torch.Tensor  # uint8 [out_features, in_features // block_values * block_bytes]
     wide: bool = False
+    # a kernel's own layout of these blocks (csrc/repacked.h): its type code and a row's bytes
+    # a block; 0: the file's
+    repacked: int = 0
+    repacked_bytes: int = 0
     # blocks that are a view of a file's map: gives their pages back, once a copy replaces them
     release: Callable[[], None] | None = field(default=None, repr=False, compare=False)
 
@@ -43,8 +47,15 @@ class QuantizedWeight:
 
     @property
     def block_bytes(self) -> int:
+        if self.repacked:
+            return self.repacked_bytes
         size = gguf.GGML_QUANT_SIZES[_Q(self.ggml_type)][1]
         return size + 2 * WIDE_SCALARS[self.ggml_type] if self.wide else size
+
+    @property
+    def kernel_type(self) -> int:
+        """The type code the kernels read these blocks as."""
+        return self.repacked or self.ggml_type
 
     @property
     def in_features(self) -> int:

@@ -665,33 +665,37 @@ def test_tied_head_and_embedding_read_the_tables_blocks(default_gguf_path, nativ
 @pytest.mark.parametrize("tier,dtype", CASES)
 @pytest.mark.parametrize("mode", ["int16", "int8"])
 @pytest.mark.parametrize("qtype, n, k", [*[(t, 40, 96) for t in BLOCKS_32 if t not in DENSE],
-                                         *[(t, 24, 512) for t in K_QUANTS]])
+                                         *[(t, n, 512) for t in K_QUANTS for n in (24, 21)]])
 def test_integer_activation_linear_matches_its_reference(tier, dtype, mode, qtype, n, k):
     """--activation-quant: the block linear on integer activations against F.linear of the
     quantized activations (activations.fake_quantize, the reference's rounding) and the
     loader's weights, in float64: float32 sums of exact integer products. The kernel takes
-    any number of rows; here it is made to take every call."""
+    any number of rows; here it is made to take every call, on the blocks as stored and as
+    the kernel reads them (the avx2 tier's int8 repacks the K-quants in groups of 8 rows: 21
+    leaves a group part padding)."""
     kernel = kernels_at(tier, dtype, 64, mode).quant_linear
     kernel.int_rows = kernel.max_rows = 1 << 30
-    weight, dense = random_blocks(qtype, n, k)
+    stored, dense = random_blocks(qtype, n, k)
     assert int(qtype) in kernel.types
-    weight = kernel.in_format(weight)  # (bfloat16: Q4_0, Q4_1 and Q8_0 scalars widened)
+    # (bfloat16: Q4_0, Q4_1 and Q8_0 scalars widened)
+    formats = {id(w): w for w in (kernel.lookup_format(stored), kernel.in_format(stored))}
     gen = torch.Generator().manual_seed(n + k)
     wide = torch.randn(200, k + 32, generator=gen).to(dtype) * torch.exp(
         torch.randn(200, 1, generator=gen)).to(dtype)
     x = wide[:, 16:16 + k]  # strided rows
     bias = torch.randn(n, generator=gen).to(dtype)
-    for rows in (1, 2, 7, 32, 200):
-        got = kernel(x[:rows], weight, bias).double()
-        quantized = fake_quantize(x[:rows].float(), kernel_mode(mode, qtype)).double()
-        want = F.linear(quantized, dense.double(), bias.double())
-        bound = F.linear(quantized.abs(), dense.double().abs(), bias.double().abs())
-        step = 2 ** -8 if dtype == BF16 else 2e-6  # the result's rounding, or float32 sums'
-        assert ((got - want).abs() <= step * bound + 1e-30).all(), (rows, qtype)
-    # the quantization is the kernel's own: float activations are not what it multiplies
-    if mode == "int8":
-        plain = F.linear(x[:32].double(), dense.double(), bias.double())
-        assert not torch.allclose(kernel(x[:32], weight, bias).double(), plain, rtol=1e-4)
+    for weight in formats.values():
+        for rows in (1, 2, 4, 7, 32, 200):
+            got = kernel(x[:rows], weight, bias).double()
+            quantized = fake_quantize(x[:rows].float(), kernel_mode(mode, qtype)).double()
+            want = F.linear(quantized, dense.double(), bias.double())
+            bound = F.linear(quantized.abs(), dense.double().abs(), bias.double().abs())
+            step = 2 ** -8 if dtype == BF16 else 2e-6  # the result's rounding, or float32 sums'
+            assert ((got - want).abs() <= step * bound + 1e-30).all(), (rows, weight.repacked)
+        # the quantization is the kernel's own: float activations are not what it multiplies
+        if mode == "int8":
+            plain = F.linear(x[:32].double(), dense.double(), bias.double())
+            assert not torch.allclose(kernel(x[:32], weight, bias).double(), plain, rtol=1e-4)
 
 
 @pytest.mark.parametrize("tier,dtype", CASES)
@@ -699,20 +703,24 @@ def test_integer_activation_linear_matches_its_reference(tier, dtype, mode, qtyp
 def test_integer_activations_take_a_decodes_few_rows_and_float_kernels_the_rest(tier, dtype,
                                                                                   mode):
     """A call of at most int_rows rows runs on integer activations (int8 on the K-quants up to
-    superblock_rows: at the avx2 tier any number, at avx512 16); more rows, and dense weights,
-    are the float kernel's own result, bit for bit. (int16's few rows can round to the float
-    kernel's bfloat16 outputs: there only the float rows are asserted.)"""
+    superblock_rows: at avx512 16; at the avx2 tier they are repacked for int8 and read so at
+    every row count); more rows, and dense weights, are the float kernel's own result, bit for
+    bit. (int16's few rows can round to the float kernel's bfloat16 outputs: there only the
+    float rows are asserted.)"""
     kernels = kernels_at(tier, dtype, 64, mode)
     integer, plain = kernels.quant_linear, QuantLinear(kernels.lib, dtype)
-    superblock_rows = {("avx2", "int8"): 1 << 30, ("avx512", "int8"): 16}.get((tier, mode), 0)
+    superblock_rows = {("avx512", "int8"): 16}.get((tier, mode), 0)
     assert integer.superblock_rows == superblock_rows
+    repacks = (tier, mode) == ("avx2", "int8")
     gen = torch.Generator().manual_seed(5)
     x = torch.randn(40, 256, generator=gen).to(dtype)
     for qtype in (Q.Q4_K, Q.Q8_0, *(DENSE if dtype == F32 else ())):
-        weight = integer.in_format(random_blocks(qtype, 24, 256)[0])
+        raw = random_blocks(qtype, 24, 256)[0]
+        weight, as_stored = integer.in_format(raw), plain.in_format(raw)
+        assert bool(weight.repacked) == (repacks and qtype == Q.Q4_K)
         for rows in (integer.int_rows, integer.int_rows + 3, 16, 17, 40):
-            same = torch.equal(integer(x[:rows], weight), plain(x[:rows], weight))
-            floats = qtype in DENSE or rows > (
+            same = torch.equal(integer(x[:rows], weight), plain(x[:rows], as_stored))
+            floats = qtype in DENSE or not weight.repacked and rows > (
                 max(integer.int_rows, superblock_rows) if qtype == Q.Q4_K else integer.int_rows)
             if floats or mode == "int8" or dtype == F32:
                 assert same == floats, (qtype, rows)

@@ -53,6 +53,10 @@ int sample_rows(const float *x, int64_t stride, int rows, int64_t cols,
                 const float *temperature, const int64_t *top_k, const float *top_p,
                 const float *min_p, const double *u, int64_t *out, int threads);
 int has_amx(void);
+/* the avx2 tier's int8 layout of the K-quants (repacked.h), only where the tier reads it */
+int repacked_row_bytes(int type, int k);
+int repack_rows(const uint8_t *w, int64_t row_bytes, int type, int n, int k, uint8_t *out,
+                int threads);
 double fma_peak_gflops(int threads, double seconds, int repeats);
 
 #endif

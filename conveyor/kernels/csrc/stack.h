@@ -8,6 +8,7 @@
 
 #include "blocks.h"
 #include "common.h"
+#include "repacked.h"
 
 #if CONVEYOR_AVX512_BF16
 #define BY_DTYPE(name, ...) (bf16 ? name##_bf16(__VA_ARGS__) : name##_f32(__VA_ARGS__))
@@ -74,9 +75,10 @@ static ALWAYS_INLINE int matrix_linear(const void *x, int64_t x_stride, const Ma
     for (int i = 0, n0 = 0; i < m->runs && rc == 0; n0 += m->run[i++].rows) {
         const Run *r = &m->run[i];
         const void *b = bias == NULL ? NULL : (const char *)bias + elem * n0;
-        /* (as bindings.IntQuantLinear.takes routes a call: dense rows never) */
-        if (s->levels && !is_dense(r->type)
-            && (rows <= s->int_rows || (rows <= s->superblock_rows && is_k_quant(r->type))))
+        /* (as bindings.IntQuantLinear.takes routes a call: dense rows never, repacked ones
+         * always) */
+        if (is_repacked(r->type) || (s->levels && !is_dense(r->type)
+            && (rows <= s->int_rows || (rows <= s->superblock_rows && is_k_quant(r->type)))))
             rc = BY_DTYPE(quant_linear_int, x, x_stride, r->blocks, r->row_bytes, r->type, b,
                           (char *)y + elem * n0, y_stride, rows, r->rows, k, s->levels, threads);
         else

@@ -1,24 +1,28 @@
 /* The block linear on integer activations (--activation-quant) with AVX2: the numerics of
  * generic/quant_linear_int.c (its comment has the formula), without VNNI.
  *
- * A thread takes OB weight rows at a time and unpacks each once, with vector shifts and masks,
- * into bytes (the type's offset taken off: Q4_0's 8; Q6_K's 0 .. 63 as stored, its offset a
- * min) and its factors; then every group of RT activation rows passes those OB rows while
- * both stay in cache. A call of at most RT rows on the K-quants has nothing to share an
- * unpacking with: it reads the blocks as stored (pass_stored), prefetched ahead.
+ * int8 on the K-quants (Q8_K: a scale per 256 activations) reads them repacked at load
+ * (repacked.h, avx2/repack.c): a pass takes 8 weight rows and up to X8_ROWS activation rows.
+ * For each chunk of 32 weights it unpacks the 8 rows' values once into 8 vectors, then every
+ * activation row takes them: pmaddubsw multiplies 32 unsigned weight bytes (4 rows x 8 values)
+ * by a broadcast of 8 activation bytes, and the 16-bit pairs of a chunk's steps add up in
+ * 16 bits (Q4_K, Q5_K: 4 steps; Q6_K: the 2 of a scale's 16 values stay within int16:
+ * |q| <= 63, |p| <= 127); pmaddwd by the sub-block's integer scale takes them to int32, which
+ * add up through the super-block. There one hadd puts the 8 rows' sums in a vector, scaled
+ * once by their d and the activations' scale; the mins' (Q6_K: offsets') share is an integer
+ * dot product of the 8 rows' mins with the activations' sums a chunk (Q6_K: a 16th), the
+ * offsets' folded into the sums. A few-row call is bound by reading the weights, which it
+ * prefetches ahead; with more rows the integer products bound it.
  *
- * int8 activations: pmaddubsw multiplies 32 unsigned bytes by 32 signed ones, two products a
- * 16-bit lane (within it: |q| <= 128, |p| <= 127). The weights are the unsigned side: as they
- * are where the type stores no negative one, else their magnitudes, the activations taking the
- * weights' signs (psignb), as llama.cpp's AVX2 dot products do.
- * - The K-quants (Q8_K: a scale per 256 activations): pmaddwd multiplies the pairs by the
- *   sub-block's integer scale, and the int32 lanes add up through the super-block; one
- *   conversion and FMA by d * s per 256 weights (llama.cpp's q4_K x q8_K). The mins' (Q6_K:
- *   offsets') share is m . (s * sum(p)), a float FMA per 8 (Q6_K: 16) chunks' worth.
- * - The other types (Q8_0: a scale per 32): pmaddwd by ones; each chunk's int32 lanes become
- *   float32 and take d * s.
- * int16 activations (15 bits): the weights widened to 16 bits, pmaddwd, 16 products an
- * instruction, a chunk's lanes to float32 as for Q8_0. Lanes are summed once per output value.
+ * Every other call (the 32-weight types; int16; a K-quant's blocks as stored) unpacks OB
+ * weight rows at a time, with vector shifts and masks, into bytes (the type's offset taken
+ * off: Q4_0's 8; Q6_K's 0 .. 63 as stored, its offset a min) and a factor per half-chunk; then
+ * every group of RT activation rows passes those rows while both stay in cache, chunk by
+ * chunk: int8 as pmaddubsw of the weights' magnitudes (as they are where the type stores no
+ * negative one) and the activations carrying the weights' signs (psignb), as llama.cpp's AVX2
+ * dot products do, then pmaddwd by ones; int16 (15 bits) with the weights widened, pmaddwd.
+ * Each chunk's int32 lanes become float32 and take d * s; the mins' (Q6_K: offsets') share is
+ * m . (s * sum(p)); lanes are summed once per output value.
  */
 #include <immintrin.h>
 #include <stdint.h>
@@ -28,24 +32,33 @@
 #include "blocks.h"
 #include "common.h"
 #include "int_activations.h"
+#include "repacked.h"
 
-#define RT 4   /* activation rows a pass takes (1, 2 or 4) */
-#define PREFETCH 4096  /* bytes ahead a few-row call prefetches the blocks it reads */
+#define RT 4   /* activation rows a pass of unpacked rows takes (1, 2 or 4) */
 #define OB 16  /* weight rows unpacked at a time and passed by every group of RT rows */
+#define X8_ROWS 32  /* activation rows a pass of a repacked group takes (its sums in L1) */
+#define X8_SPAN 256  /* activation rows a thread's groups take in turn (theirs in L2) */
+#define PREFETCH 4096  /* bytes ahead a pass prefetches the repacked weights it reads */
 
 /* x's rows as integers, as generic/quant_linear_int.c's int_rows quantizes them (the same
  * roundings, so not under fast math): p8 (int8) or p16 (int16) [rows][k], s (each chunk's
  * run's scale) and sp (s * sum(p)) [rows][k / 32], and for Q6_K sp16, s * sum(p) a half-chunk
- * [rows][k / 16] (what its offsets multiply). */
+ * [rows][k / 16] (what its offsets multiply); for the repacked K-quants p8 by super-block,
+ * [k / 256][rows][256] (a pass's rows side by side, not a power of two apart: they would
+ * share a few L1 sets), and the integer sums, b32 a chunk [rows][k / 32] and b16 a half-chunk
+ * [rows][k / 16]. */
 typedef struct {
+    int rows;
     int8_t *p8;
-    int16_t *p16;
+    int16_t *p16, *b16, *b32;
     float *s, *sp, *sp16;
 } Acts;
 
 static void acts_free(Acts *a) {
     free(a->p8);
     free(a->p16);
+    free(a->b16);
+    free(a->b32);
     free(a->s);
     free(a->sp);
     free(a->sp16);
@@ -60,15 +73,21 @@ static inline int32_t hsum_epi32(__m256i v) {
 __attribute__((optimize("no-fast-math")))
 static int acts_of(Acts *a, const void *x, int64_t x_stride, int rows, int k, int levels,
                    int type) {
-    const int chunks = k / 32, run = activation_run(type, levels);
+    const int chunks = k / 32, run = activation_run(stored_type(type), levels);
     memset(a, 0, sizeof *a);
+    a->rows = rows;
     if (levels > 127) a->p16 = aligned_alloc(32, (size_t)rows * k * 2);
     else a->p8 = aligned_alloc(32, (size_t)rows * k);
     a->s = malloc((size_t)rows * chunks * sizeof(float));
     a->sp = malloc((size_t)rows * chunks * sizeof(float));
     if (type == Q6_K) a->sp16 = malloc((size_t)rows * chunks * 2 * sizeof(float));
+    if (is_repacked(type)) {
+        a->b16 = malloc((size_t)rows * chunks * 2 * sizeof(int16_t));
+        a->b32 = malloc((size_t)rows * chunks * sizeof(int16_t));
+    }
     if ((a->p8 == NULL && a->p16 == NULL) || a->s == NULL || a->sp == NULL
-        || (type == Q6_K && a->sp16 == NULL)) {
+        || (type == Q6_K && a->sp16 == NULL)
+        || (is_repacked(type) && (a->b16 == NULL || a->b32 == NULL))) {
         acts_free(a);
         return -2;
     }
@@ -102,6 +121,11 @@ static int acts_of(Acts *a, const void *x, int64_t x_stride, int rows, int k, in
                 a->sp16[2 * at] = scale * (float)lo;
                 a->sp16[2 * at + 1] = scale * (float)hi;
             }
+            if (a->b16 != NULL) {  /* (|sum| <= 32 * 127) */
+                a->b16[2 * at] = (int16_t)lo;
+                a->b16[2 * at + 1] = (int16_t)hi;
+                a->b32[at] = (int16_t)(lo + hi);
+            }
             /* packs interleave 128-bit lanes: the permutation puts the values back in order */
             const __m256i w01 = _mm256_permute4x64_epi64(_mm256_packs_epi32(p[0], p[1]), 0xd8);
             const __m256i w23 = _mm256_permute4x64_epi64(_mm256_packs_epi32(p[2], p[3]), 0xd8);
@@ -109,7 +133,9 @@ static int acts_of(Acts *a, const void *x, int64_t x_stride, int rows, int k, in
                 _mm256_store_si256((__m256i *)(a->p16 + (int64_t)r * k + 32 * j), w01);
                 _mm256_store_si256((__m256i *)(a->p16 + (int64_t)r * k + 32 * j + 16), w23);
             } else {
-                _mm256_store_si256((__m256i *)(a->p8 + (int64_t)r * k + 32 * j),
+                const int64_t to = is_repacked(type)
+                    ? ((int64_t)(j / 8) * rows + r) * 256 + 32 * (j % 8) : (int64_t)r * k + 32 * j;
+                _mm256_store_si256((__m256i *)(a->p8 + to),
                                    _mm256_permute4x64_epi64(_mm256_packs_epi16(w01, w23), 0xd8));
             }
         }
@@ -128,21 +154,16 @@ static inline __m256i nibbles(__m256i v, int high) {
     return _mm256_and_si256(high ? _mm256_srli_epi16(v, 4) : v, _mm256_set1_epi8(15));
 }
 
-/* A K-quant super-block's factors: sc [8], each chunk's two half-chunk scales as int16 (low
- * half first); d [16], each half-chunk's factor as float32; m, Q4_K/Q5_K: [8] the chunks' mins,
- * Q6_K: [16] the half-chunks' offsets (-32 d). Returns the super-block's d. */
-static ALWAYS_INLINE float k_scales(const uint8_t *b, int type, uint32_t *sc, float *d,
-                                    float *m) {
+/* A K-quant super-block's factors: d [16], each half-chunk's factor as float32; m, Q4_K/Q5_K:
+ * [8] the chunks' mins, Q6_K: [16] the half-chunks' offsets (-32 d). */
+static ALWAYS_INLINE void k_scales(const uint8_t *b, int type, float *d, float *m) {
     if (type == Q6_K) {
         const float dd = half_load(b + 208);
         for (int i = 0; i < 16; i++) {
             d[i] = dd * (float)(int8_t)b[192 + i];
             m[i] = -32.0f * d[i];
         }
-        for (int j = 0; j < 8; j++)
-            sc[j] = (uint16_t)(int8_t)b[192 + 2 * j]
-                    | (uint32_t)(uint16_t)(int8_t)b[193 + 2 * j] << 16;
-        return dd;
+        return;
     }
     uint32_t u[4];
     k_scales_mins(b, u);
@@ -151,9 +172,7 @@ static ALWAYS_INLINE float k_scales(const uint8_t *b, int type, uint32_t *sc, fl
     for (int j = 0; j < 8; j++) {
         d[2 * j] = d[2 * j + 1] = dd * (float)sm[j];
         m[j] = -(dmin * (float)sm[8 + j]);
-        sc[j] = sm[j] | (uint32_t)sm[j] << 16;
     }
-    return dd;
 }
 
 /* Chunk j (0 .. 7) of a K-quant super-block as 32 bytes, chunk_quants' integers (Q6_K's 0 ..
@@ -181,16 +200,13 @@ static ALWAYS_INLINE __m256i k_chunk(const uint8_t *b, int type, int j) {
 /* One weight row unpacked: q [k] bytes, d [2 * chunks] (each half-chunk's factor) and m (the
  * mins, has_min types: [chunks]; Q6_K's offset, -32 d a half-chunk: [2 * chunks]). The
  * integers are chunk_quants', signed with the offset taken off (Q4_0's 8), except Q6_K's: its
- * 0 .. 63 as stored. The factors are chunk_scales'. The K-quants' also as integers: sc [chunks],
- * each chunk's two half-chunk scales as int16 (low half first), and dsb [chunks / 8], each
- * super-block's d (for Q8_K activations). */
+ * 0 .. 63 as stored. The factors are chunk_scales'. */
 static ALWAYS_INLINE void unpack_row(const uint8_t *row, int type, int chunks, int8_t *q,
-                                     float *d, float *m, uint32_t *sc, float *dsb) {
+                                     float *d, float *m) {
     if (is_k_quant(type)) {
         for (int sb = 0; sb < chunks / 8; sb++) {
             const uint8_t *b = row + (int64_t)sb * stored_block_bytes(type);
-            dsb[sb] = k_scales(b, type, sc + 8 * sb, d + 16 * sb,
-                               m + (type == Q6_K ? 16 : 8) * sb);
+            k_scales(b, type, d + 16 * sb, m + (type == Q6_K ? 16 : 8) * sb);
             for (int j = 0; j < 8; j++)
                 _mm256_storeu_si256((__m256i *)(q + 256 * sb + 32 * j), k_chunk(b, type, j));
         }
@@ -222,120 +238,6 @@ static inline float hsum(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-}
-
-/* K-quant rows (ow: 1 or 2, k bytes apart as unpacked) on int8 activations of one scale a
- * super-block (Q8_K), into acc[i][t]: each chunk's pmaddubsw pairs take its half-chunks'
- * integer scales through pmaddwd, and the int32 sums run through the super-block; d * s once at
- * its end. Two weight rows share each activation load. */
-static ALWAYS_INLINE void pass_superblocks(const int8_t *q, const uint32_t *sc, const float *dsb,
-                                          int chunks, int k, const Acts *a, int r0, int rt,
-                                          int ow, __m256 acc[2][RT]) {
-    /* each 128-bit lane's int16 lanes all the lane's half-chunk scale */
-    const __m256i halves = _mm256_set_epi8(3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2,
-                                           1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0);
-    for (int sb = 0; sb < chunks / 8; sb++) {
-        __m256i sum[2][RT];
-        for (int i = 0; i < 2; i++)
-            for (int t = 0; t < RT; t++) sum[i][t] = _mm256_setzero_si256();
-        #pragma GCC unroll 8
-        for (int j = 8 * sb; j < 8 * sb + 8; j++) {
-            __m256i w[2], scales[2];
-            for (int i = 0; i < ow; i++) {
-                w[i] = _mm256_loadu_si256((const __m256i *)(q + (int64_t)i * k + 32 * j));
-                scales[i] = _mm256_shuffle_epi8(
-                    _mm256_set1_epi32((int)sc[(int64_t)i * chunks + j]), halves);
-            }
-            #pragma GCC unroll 4
-            for (int t = 0; t < rt; t++) {
-                const __m256i p = _mm256_load_si256(
-                    (const __m256i *)(a->p8 + (int64_t)(r0 + t) * k + 32 * j));
-                for (int i = 0; i < ow; i++)
-                    sum[i][t] = _mm256_add_epi32(sum[i][t], _mm256_madd_epi16(
-                        _mm256_maddubs_epi16(w[i], p), scales[i]));
-            }
-        }
-        for (int i = 0; i < ow; i++)
-            for (int t = 0; t < rt; t++)
-                acc[i][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[i][t]), _mm256_set1_ps(
-                    dsb[i * (chunks / 8) + sb] * a->s[(int64_t)(r0 + t) * chunks + 8 * sb]),
-                    acc[i][t]);
-    }
-}
-
-/* A K-quant weight row read as it is stored (no unpacking: for calls of at most RT rows, which
- * pass it once) against int8 activation rows 0 .. rt, Q8_K numerics as pass_superblocks':
- * out[t] its dots (no bias). */
-static ALWAYS_INLINE void pass_stored(const uint8_t *row, int type, int chunks, int k,
-                                     const Acts *a, int rt, float *out) {
-    __m256 acc[RT];
-    for (int t = 0; t < RT; t++) acc[t] = _mm256_setzero_ps();
-    for (int sb = 0; sb < chunks / 8; sb++) {
-        const uint8_t *b = row + (int64_t)sb * stored_block_bytes(type);
-        /* the rows are read once, from memory: ahead of the hardware's prefetch */
-        for (int at = 0; at < stored_block_bytes(type); at += 64)
-            _mm_prefetch((const char *)b + PREFETCH + at, _MM_HINT_T0);
-        /* the scales as int16, both 128-bit lanes alike (Q6_K: two vectors of 8), and each
-         * chunk's pshufb of them; the mins (Q6_K: offsets) as float32, in vectors */
-        __m256i all[2];
-        __m256 m[2];
-        float dd;
-        if (type == Q6_K) {
-            dd = half_load(b + 208);
-            const __m256i s16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(b + 192)));
-            all[0] = _mm256_permute2x128_si256(s16, s16, 0x00);
-            all[1] = _mm256_permute2x128_si256(s16, s16, 0x11);
-            const __m256 offset = _mm256_set1_ps(-32.0f * dd);
-            m[0] = _mm256_mul_ps(offset, _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(
-                _mm256_castsi256_si128(s16))));
-            m[1] = _mm256_mul_ps(offset, _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(
-                _mm256_extracti128_si256(s16, 1))));
-        } else {
-            uint32_t u[4];
-            k_scales_mins(b, u);
-            dd = half_load(b);
-            const __m128i bytes = _mm_loadu_si128((const __m128i *)u);
-            const __m128i s8 = _mm_cvtepu8_epi16(bytes);
-            all[0] = all[1] = _mm256_set_m128i(s8, s8);
-            m[0] = _mm256_mul_ps(_mm256_set1_ps(-half_load(b + 2)), _mm256_cvtepi32_ps(
-                _mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8))));
-        }
-        __m256i sum[RT];
-        for (int t = 0; t < RT; t++) sum[t] = _mm256_setzero_si256();
-        #pragma GCC unroll 8
-        for (int j = 0; j < 8; j++) {
-            const __m256i w = k_chunk(b, type, j);
-            /* int16 lane pairs: Q6_K's half-chunks 2j and 2j + 1, else chunk j's, twice */
-            const int lo = type == Q6_K ? 2 * (2 * j % 8) : 2 * j, hi = type == Q6_K ? lo + 2 : lo;
-            const __m256i pick = _mm256_set_epi8(
-                hi + 1, hi, hi + 1, hi, hi + 1, hi, hi + 1, hi,
-                hi + 1, hi, hi + 1, hi, hi + 1, hi, hi + 1, hi,
-                lo + 1, lo, lo + 1, lo, lo + 1, lo, lo + 1, lo,
-                lo + 1, lo, lo + 1, lo, lo + 1, lo, lo + 1, lo);
-            const __m256i scales = _mm256_shuffle_epi8(all[type == Q6_K && j >= 4], pick);
-            #pragma GCC unroll 4
-            for (int t = 0; t < rt; t++) {
-                const __m256i p = _mm256_load_si256(
-                    (const __m256i *)(a->p8 + (int64_t)t * k + 256 * sb + 32 * j));
-                sum[t] = _mm256_add_epi32(sum[t], _mm256_madd_epi16(
-                    _mm256_maddubs_epi16(w, p), scales));
-            }
-        }
-        for (int t = 0; t < rt; t++) {
-            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[t]), _mm256_set1_ps(
-                dd * a->s[(int64_t)t * chunks + 8 * sb]), acc[t]);
-            /* the mins' (Q6_K: offsets') share, as pass's */
-            if (type == Q6_K) {
-                const float *sp = a->sp16 + (int64_t)t * 2 * chunks + 16 * sb;
-                acc[t] = _mm256_fmadd_ps(m[0], _mm256_loadu_ps(sp), acc[t]);
-                acc[t] = _mm256_fmadd_ps(m[1], _mm256_loadu_ps(sp + 8), acc[t]);
-            } else {
-                acc[t] = _mm256_fmadd_ps(m[0], _mm256_loadu_ps(
-                    a->sp + (int64_t)t * chunks + 8 * sb), acc[t]);
-            }
-        }
-    }
-    for (int t = 0; t < rt; t++) out[t] = hsum(acc[t]);
 }
 
 /* A row on activations of a scale a chunk, into acc[t]: each chunk's int32 lanes become float32
@@ -380,155 +282,283 @@ static ALWAYS_INLINE void pass_chunks(const int8_t *q, const float *d, int type,
     }
 }
 
-/* Unpacked weight rows (ow: 1 or 2, as unpack_rows lays them) against activation rows r0 ..
- * r0 + rt: out[i * RT + t] their dots (no bias). `type`, `rt`, `ow` and `wide` (int16
- * activations) are constants in each caller. */
-static ALWAYS_INLINE void pass(const int8_t *q, const float *d, const float *m,
-                              const uint32_t *sc, const float *dsb, int type, int chunks, int k,
-                              const Acts *a, int r0, int rt, int ow, int wide, float *out) {
-    __m256 acc[2][RT];
-    for (int i = 0; i < 2; i++)
-        for (int t = 0; t < RT; t++) acc[i][t] = _mm256_setzero_ps();
-    if (is_k_quant(type) && !wide)
-        pass_superblocks(q, sc, dsb, chunks, k, a, r0, rt, ow, acc);
-    else
-        for (int i = 0; i < ow; i++)
-            pass_chunks(q + (int64_t)i * k, d + (int64_t)i * 2 * chunks, type, chunks, k, a, r0,
-                        rt, wide, acc[i]);
+/* An unpacked weight row against activation rows r0 .. r0 + rt: out[t] its dots (no bias).
+ * `type`, `rt` and `wide` (int16 activations) are constants in each caller. */
+static ALWAYS_INLINE void pass(const int8_t *q, const float *d, const float *m, int type,
+                              int chunks, int k, const Acts *a, int r0, int rt, int wide,
+                              float *out) {
+    __m256 acc[RT];
+    for (int t = 0; t < RT; t++) acc[t] = _mm256_setzero_ps();
+    pass_chunks(q, d, type, chunks, k, a, r0, rt, wide, acc);
     /* the mins' share: m . (s * sum(p)) over the chunks (Q6_K: its offsets, half-chunks) */
     const int groups = type == Q6_K ? 2 * chunks : chunks;
-    for (int i = 0; i < ow; i++)
-        for (int t = 0; t < rt; t++) {
-            if (has_min(type) || type == Q6_K) {
-                const float *mi = m + (int64_t)i * 2 * chunks;
-                const float *sp = type == Q6_K ? a->sp16 + (int64_t)(r0 + t) * groups
-                                               : a->sp + (int64_t)(r0 + t) * chunks;
-                int j = 0;
-                for (; j + 8 <= groups; j += 8)
-                    acc[i][t] = _mm256_fmadd_ps(_mm256_loadu_ps(mi + j), _mm256_loadu_ps(sp + j),
-                                                acc[i][t]);
-                float rest = 0.0f;
-                for (; j < groups; j++) rest += mi[j] * sp[j];
-                out[i * RT + t] = hsum(acc[i][t]) + rest;
-            } else {
-                out[i * RT + t] = hsum(acc[i][t]);
-            }
+    for (int t = 0; t < rt; t++) {
+        float rest = 0.0f;
+        if (has_min(type) || type == Q6_K) {
+            const float *sp = type == Q6_K ? a->sp16 + (int64_t)(r0 + t) * groups
+                                           : a->sp + (int64_t)(r0 + t) * chunks;
+            int j = 0;
+            for (; j + 8 <= groups; j += 8)
+                acc[t] = _mm256_fmadd_ps(_mm256_loadu_ps(m + j), _mm256_loadu_ps(sp + j), acc[t]);
+            for (; j < groups; j++) rest += m[j] * sp[j];
         }
+        out[t] = hsum(acc[t]) + rest;
+    }
 }
 
-#define PASS_TYPE(RTC, OW, WIDE) \
+#define PASS_TYPE(RTC, WIDE) \
     switch (type) { \
-    case Q4_0: pass(q, d, m, sc, dsb, Q4_0, chunks, k, a, r0, RTC, OW, WIDE, out); break; \
-    case Q4_1: pass(q, d, m, sc, dsb, Q4_1, chunks, k, a, r0, RTC, OW, WIDE, out); break; \
-    case Q5_1: pass(q, d, m, sc, dsb, Q5_1, chunks, k, a, r0, RTC, OW, WIDE, out); break; \
-    case Q8_0: pass(q, d, m, sc, dsb, Q8_0, chunks, k, a, r0, RTC, OW, WIDE, out); break; \
-    case Q4_K: pass(q, d, m, sc, dsb, Q4_K, chunks, k, a, r0, RTC, OW, WIDE, out); break; \
-    case Q5_K: pass(q, d, m, sc, dsb, Q5_K, chunks, k, a, r0, RTC, OW, WIDE, out); break; \
-    default: pass(q, d, m, sc, dsb, Q6_K, chunks, k, a, r0, RTC, OW, WIDE, out); break; \
+    case Q4_0: pass(q, d, m, Q4_0, chunks, k, a, r0, RTC, WIDE, out); break; \
+    case Q4_1: pass(q, d, m, Q4_1, chunks, k, a, r0, RTC, WIDE, out); break; \
+    case Q5_1: pass(q, d, m, Q5_1, chunks, k, a, r0, RTC, WIDE, out); break; \
+    case Q8_0: pass(q, d, m, Q8_0, chunks, k, a, r0, RTC, WIDE, out); break; \
+    case Q4_K: pass(q, d, m, Q4_K, chunks, k, a, r0, RTC, WIDE, out); break; \
+    case Q5_K: pass(q, d, m, Q5_K, chunks, k, a, r0, RTC, WIDE, out); break; \
+    default: pass(q, d, m, Q6_K, chunks, k, a, r0, RTC, WIDE, out); break; \
     }
 
-static void pass_rows(const int8_t *q, const float *d, const float *m, const uint32_t *sc,
-                      const float *dsb, int type, int chunks, int k, const Acts *a, int r0,
-                      int rt, int ow, float *out) {
+static void pass_rows(const int8_t *q, const float *d, const float *m, int type, int chunks,
+                      int k, const Acts *a, int r0, int rt, float *out) {
     if (a->p16 != NULL) {
-        if (rt == 4) { PASS_TYPE(4, 1, 1) } else if (rt == 2) { PASS_TYPE(2, 1, 1) }
-        else { PASS_TYPE(1, 1, 1) }
-    } else if (ow == 2) {
-        if (rt == 4) { PASS_TYPE(4, 2, 0) } else if (rt == 2) { PASS_TYPE(2, 2, 0) }
-        else { PASS_TYPE(1, 2, 0) }
+        if (rt == 4) { PASS_TYPE(4, 1) } else if (rt == 2) { PASS_TYPE(2, 1) }
+        else { PASS_TYPE(1, 1) }
     } else {
-        if (rt == 4) { PASS_TYPE(4, 1, 0) } else if (rt == 2) { PASS_TYPE(2, 1, 0) }
-        else { PASS_TYPE(1, 1, 0) }
+        if (rt == 4) { PASS_TYPE(4, 0) } else if (rt == 2) { PASS_TYPE(2, 0) }
+        else { PASS_TYPE(1, 0) }
     }
-}
-
-#define STORED_TYPE(RTC) \
-    switch (type) { \
-    case Q4_K: pass_stored(row, Q4_K, chunks, k, a, RTC, out); break; \
-    case Q5_K: pass_stored(row, Q5_K, chunks, k, a, RTC, out); break; \
-    default: pass_stored(row, Q6_K, chunks, k, a, RTC, out); break; \
-    }
-
-/* pass_stored, with the type and row count constants. */
-static void stored_rows(const uint8_t *row, int type, int chunks, int k, const Acts *a,
-                        int rows, float *out) {
-    if (rows == 4) { STORED_TYPE(4) } else if (rows == 3) { STORED_TYPE(3) }
-    else if (rows == 2) { STORED_TYPE(2) } else { STORED_TYPE(1) }
 }
 
 /* The unpacking, with the type a constant. */
 static void unpack_rows(const uint8_t *w, int64_t row_bytes, int type, int chunks, int o0,
-                        int count, int8_t *q, float *d, float *m, uint32_t *sc, float *dsb) {
+                        int count, int8_t *q, float *d, float *m) {
     for (int i = 0; i < count; i++) {
         const uint8_t *row = w + (int64_t)(o0 + i) * row_bytes;
         int8_t *qi = q + (int64_t)i * 32 * chunks;
         float *di = d + (int64_t)i * 2 * chunks, *mi = m + (int64_t)i * 2 * chunks;
-        uint32_t *sci = sc + (int64_t)i * chunks;
-        float *dsbi = dsb + (int64_t)i * (chunks / 8);
         switch (type) {
-        case Q4_0: unpack_row(row, Q4_0, chunks, qi, di, mi, sci, dsbi); break;
-        case Q4_1: unpack_row(row, Q4_1, chunks, qi, di, mi, sci, dsbi); break;
-        case Q5_1: unpack_row(row, Q5_1, chunks, qi, di, mi, sci, dsbi); break;
-        case Q8_0: unpack_row(row, Q8_0, chunks, qi, di, mi, sci, dsbi); break;
-        case Q4_K: unpack_row(row, Q4_K, chunks, qi, di, mi, sci, dsbi); break;
-        case Q5_K: unpack_row(row, Q5_K, chunks, qi, di, mi, sci, dsbi); break;
-        default: unpack_row(row, Q6_K, chunks, qi, di, mi, sci, dsbi); break;
+        case Q4_0: unpack_row(row, Q4_0, chunks, qi, di, mi); break;
+        case Q4_1: unpack_row(row, Q4_1, chunks, qi, di, mi); break;
+        case Q5_1: unpack_row(row, Q5_1, chunks, qi, di, mi); break;
+        case Q8_0: unpack_row(row, Q8_0, chunks, qi, di, mi); break;
+        case Q4_K: unpack_row(row, Q4_K, chunks, qi, di, mi); break;
+        case Q5_K: unpack_row(row, Q5_K, chunks, qi, di, mi); break;
+        default: unpack_row(row, Q6_K, chunks, qi, di, mi); break;
         }
     }
 }
 
+/* The 8 bytes at b (one a row of a group) as int16 lanes for pmaddwd against a step's low
+ * (high: the high) rows' pairs: each row's 4 lanes its byte, zero-extended, or sign-extended
+ * (Q6_K's scales). */
+static ALWAYS_INLINE __m256i x8_spread(const uint8_t *b, int high, int sign) {
+    int64_t v;
+    memcpy(&v, b, 8);
+    const int *rows = high ? X8_HI : X8_LO;
+    int8_t pick[32];
+    for (int slot = 0; slot < 4; slot++)
+        for (int lane = 0; lane < 4; lane++) {  /* (each 128-bit half picks from its own 8) */
+            const int at = 8 * slot + 2 * lane;
+            pick[at + sign] = (int8_t)rows[slot];
+            pick[at + 1 - sign] = -128;  /* a zero byte */
+        }
+    const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi64x(v),
+                                               _mm256_loadu_si256((const __m256i *)pick));
+    return sign ? _mm256_srai_epi16(spread, 8) : spread;
+}
+
+/* Step s (0 .. 3) of chunk j of a group's super-block g: the low rows' and the high rows'
+ * values as bytes. */
+static ALWAYS_INLINE void x8_step(const uint8_t *g, int type, int j, int s, __m256i *lo,
+                                  __m256i *hi) {
+    const __m256i v = _mm256_loadu_si256((const __m256i *)(
+        g + (type == Q6_K ? X8_QL6 : X8_QS) + 128 * j + 32 * s));
+    *lo = nibbles(v, 0);
+    *hi = nibbles(v, 1);
+    if (type == Q5_K) {
+        uint32_t bits[2];
+        memcpy(bits, g + X8_QH5 + 32 * j + 8 * s, 8);
+        const __m256i fifth = _mm256_set1_epi8(16);
+        *lo = _mm256_or_si256(*lo, _mm256_and_si256(bit_bytes(bits[0]), fifth));
+        *hi = _mm256_or_si256(*hi, _mm256_and_si256(bit_bytes(bits[1]), fifth));
+    } else if (type == Q6_K) {
+        const __m256i top = _mm256_broadcastsi128_si256(
+            _mm_loadu_si128((const __m128i *)(g + X8_QH6 + 64 * j + 16 * s)));
+        const __m256i mask = _mm256_set1_epi8(0x30);
+        *lo = _mm256_or_si256(*lo, _mm256_and_si256(
+            _mm256_sllv_epi32(top, _mm256_setr_epi32(4, 4, 4, 4, 2, 2, 2, 2)), mask));
+        *hi = _mm256_or_si256(*hi, _mm256_and_si256(
+            _mm256_srlv_epi32(top, _mm256_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2)), mask));
+    }
+}
+
+static ALWAYS_INLINE __m256i broadcast8(const int8_t *p) {
+    int64_t v;
+    memcpy(&v, p, 8);
+    return _mm256_set1_epi64x(v);
+}
+
+/* A repacked group (8 weight rows from grp, sbs super-blocks) against activation rows r0 ..
+ * r0 + rt: acc[t], the 8 rows' dots in row order (no bias). iacc: 2 rt vectors of scratch. */
+static ALWAYS_INLINE void x8_pass(const uint8_t *grp, int type, int sbs, const Acts *a, int r0,
+                                  int rt, int k, __m256i *iacc, __m256 *acc) {
+    const int gb = 8 * x8_block_bytes(type), chunks = k / 32, q6 = type == Q6_K;
+    for (int t = 0; t < rt; t++) acc[t] = _mm256_setzero_ps();
+    for (int sb = 0; sb < sbs; sb++) {
+        const uint8_t *g = grp + (int64_t)sb * gb;
+        for (int at = 0; at < gb; at += 64)
+            _mm_prefetch((const char *)g + PREFETCH + at, _MM_HINT_T0);
+        /* the scales as pmaddwd takes them: a chunk's (Q6_K: a 16th's) for the low and the
+         * high rows */
+        __m256i scale[16][2];
+        for (int i = 0; i < (q6 ? 16 : 8); i++)
+            for (int h = 0; h < 2; h++)
+                scale[i][h] = x8_spread(g + (q6 ? X8_SC6 : X8_SC) + 8 * i, h, q6);
+        for (int t = 0; t < 2 * rt; t++) iacc[t] = _mm256_setzero_si256();
+        for (int j = 0; j < 8; j++) {
+            __m256i w[4][2];
+            for (int s = 0; s < 4; s++) x8_step(g, type, j, s, &w[s][0], &w[s][1]);
+            for (int t = 0; t < rt; t++) {
+                const int8_t *p = a->p8 + ((int64_t)sb * a->rows + r0 + t) * 256 + 32 * j;
+                __m256i sum[2];
+                for (int s = 0; s < 4; s++) {
+                    const __m256i ps = broadcast8(p + 8 * s);
+                    for (int h = 0; h < 2; h++) {
+                        const __m256i pairs = _mm256_maddubs_epi16(w[s][h], ps);
+                        sum[h] = s % (q6 ? 2 : 4) ? _mm256_add_epi16(sum[h], pairs) : pairs;
+                    }
+                    if (s % (q6 ? 2 : 4) == (q6 ? 1 : 3))
+                        for (int h = 0; h < 2; h++)
+                            iacc[2 * t + h] = _mm256_add_epi32(iacc[2 * t + h], _mm256_madd_epi16(
+                                sum[h], scale[q6 ? 2 * j + s / 2 : j][h]));
+                }
+            }
+        }
+        /* the mins' (Q6_K: offsets') share: each pair of chunks' (16ths') row values against
+         * the activations' sums of them */
+        __m256i mins[8];
+        for (int i = 0; i < (q6 ? 8 : 4); i++) {
+            const uint8_t *m = g + (q6 ? X8_SC6 : X8_MN) + 16 * i;
+            const __m128i pair = _mm_unpacklo_epi8(_mm_loadl_epi64((const __m128i *)m),
+                                                   _mm_loadl_epi64((const __m128i *)(m + 8)));
+            mins[i] = q6 ? _mm256_cvtepi8_epi16(pair) : _mm256_cvtepu8_epi16(pair);
+        }
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(g + X8_D)));
+        const __m256 dmin = q6 ? d : _mm256_cvtph_ps(
+            _mm_loadu_si128((const __m128i *)(g + X8_DMIN)));
+        for (int t = 0; t < rt; t++) {
+            const int16_t *bs = q6 ? a->b16 + (int64_t)(r0 + t) * 2 * chunks + 16 * sb
+                                   : a->b32 + (int64_t)(r0 + t) * chunks + 8 * sb;
+            __m256i off = _mm256_setzero_si256();
+            for (int i = 0; i < (q6 ? 8 : 4); i++) {
+                int32_t two;
+                memcpy(&two, bs + 2 * i, 4);
+                off = _mm256_add_epi32(off, _mm256_madd_epi16(mins[i], _mm256_set1_epi32(two)));
+            }
+            __m256i dots = _mm256_hadd_epi32(iacc[2 * t], iacc[2 * t + 1]);
+            const __m256 s = _mm256_set1_ps(a->s[(int64_t)(r0 + t) * chunks + 8 * sb]);
+            if (q6) {  /* (q - 32) . p */
+                dots = _mm256_sub_epi32(dots, _mm256_slli_epi32(off, 5));
+            } else {
+                acc[t] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(off), _mm256_mul_ps(dmin, s),
+                                          acc[t]);
+            }
+            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots), _mm256_mul_ps(d, s), acc[t]);
+        }
+    }
+}
+
+#define X8_TYPE(RTC) \
+    switch (type) { \
+    case Q4_K: x8_pass(grp, Q4_K, sbs, a, r0, RTC, k, iacc, acc); break; \
+    case Q5_K: x8_pass(grp, Q5_K, sbs, a, r0, RTC, k, iacc, acc); break; \
+    default: x8_pass(grp, Q6_K, sbs, a, r0, RTC, k, iacc, acc); break; \
+    }
+
+/* x8_pass with the type a constant, and a decode's few rows too. */
+static void x8_rows(const uint8_t *grp, int type, int sbs, const Acts *a, int r0, int rt, int k,
+                    __m256i *iacc, __m256 *acc) {
+    if (rt == 1) { X8_TYPE(1) } else if (rt == 2) { X8_TYPE(2) } else if (rt == 3) { X8_TYPE(3) }
+    else if (rt == 4) { X8_TYPE(4) } else { X8_TYPE(rt) }
+}
+
+/* y = x w^T (+ bias) on the repacked weights w (of stored type `type`, groups of 8 rows
+ * 8 row_bytes apart) and the int8 activations a. */
+static void repacked_linear(const Acts *a, const uint8_t *w, int64_t row_bytes, int type,
+                            const void *bias, void *y, int64_t y_stride, int rows, int n, int k,
+                            int threads) {
+    const int groups = (n + 7) / 8;
+    #pragma omp parallel num_threads(threads)
+    {
+        __m256i iacc[2 * X8_ROWS];
+        __m256 acc[X8_ROWS];
+        int g0, g1;
+        thread_share(groups, &g0, &g1);
+        for (int span = 0; span < rows; span += X8_SPAN)
+            for (int g = g0; g < g1; g++) {
+                const uint8_t *grp = w + (int64_t)g * 8 * row_bytes;
+                const int valid = n - 8 * g < 8 ? n - 8 * g : 8;
+                float b[8] = {0};
+                if (bias != NULL) memcpy(b, (const float *)bias + 8 * g, valid * sizeof(float));
+                const __m256 bv = _mm256_loadu_ps(b);
+                const int end = rows < span + X8_SPAN ? rows : span + X8_SPAN;
+                for (int r0 = span; r0 < end; r0 += X8_ROWS) {
+                    const int rt = end - r0 < X8_ROWS ? end - r0 : X8_ROWS;
+                    x8_rows(grp, type, k / 256, a, r0, rt, k, iacc, acc);
+                    for (int t = 0; t < rt; t++) {
+                        float *out = (float *)y + (int64_t)(r0 + t) * y_stride + 8 * g;
+                        const __m256 v = _mm256_add_ps(acc[t], bv);
+                        if (valid == 8) {
+                            _mm256_storeu_ps(out, v);
+                        } else {
+                            float part[8];
+                            _mm256_storeu_ps(part, v);
+                            memcpy(out, part, valid * sizeof(float));
+                        }
+                    }
+                }
+            }
+    }
+}
 static int quant_linear_int(const void *x, int64_t x_stride, int bf16, const uint8_t *w,
                             int64_t row_bytes, int type, const void *bias, void *y,
                             int64_t y_stride, int rows, int n, int k, int levels, int threads) {
-    if (bf16 || !int_linear_takes(type, k, rows, levels)) return -1;
+    if (is_repacked(type)) {
+        if (bf16 || levels != 127 || x8_block_bytes(stored_type(type)) == 0 || k % 256
+            || rows < 1)
+            return -1;
+    } else if (bf16 || !int_linear_takes(type, k, rows, levels)) {
+        return -1;
+    }
     const int chunks = k / 32;
     Acts a;
     if (acts_of(&a, x, x_stride, rows, k, levels, type) != 0) return -2;
-    int failed = 0;
-    if (a.p8 != NULL && is_k_quant(type) && rows <= RT) {
-        #pragma omp parallel num_threads(threads)
-        {
-            int n0, n1;
-            thread_share(n, &n0, &n1);
-            for (int o = n0; o < n1; o++) {
-                float out[RT];
-                stored_rows(w + (int64_t)o * row_bytes, type, chunks, k, &a, rows, out);
-                const float b = bias != NULL ? ((const float *)bias)[o] : 0.0f;
-                for (int t = 0; t < rows; t++)
-                    ((float *)y)[(int64_t)t * y_stride + o] = out[t] + b;
-            }
-        }
+    if (is_repacked(type)) {
+        repacked_linear(&a, w, row_bytes, stored_type(type), bias, y, y_stride, rows, n, k,
+                        threads);
         acts_free(&a);
         return 0;
     }
+    int failed = 0;
     #pragma omp parallel num_threads(threads)
     {
         int8_t *q = malloc((size_t)OB * k);
         float *d = malloc((size_t)OB * 2 * chunks * sizeof(float));
         float *m = malloc((size_t)OB * 2 * chunks * sizeof(float));
-        uint32_t *sc = malloc((size_t)OB * chunks * sizeof(uint32_t));
-        float *dsb = malloc((size_t)OB * (chunks / 8 + 1) * sizeof(float));
         int n0, n1;
         thread_share(n, &n0, &n1);
-        if (q == NULL || d == NULL || m == NULL || sc == NULL || dsb == NULL) failed = 1;
+        if (q == NULL || d == NULL || m == NULL) failed = 1;
         for (int ob = n0; !failed && ob < n1; ob += OB) {
             const int count = n1 - ob < OB ? n1 - ob : OB;
-            unpack_rows(w, row_bytes, type, chunks, ob, count, q, d, m, sc, dsb);
+            unpack_rows(w, row_bytes, type, chunks, ob, count, q, d, m);
             for (int r0 = 0; r0 < rows;) {
                 const int left = rows - r0, rt = left >= 4 ? 4 : left >= 2 ? 2 : 1;
-                for (int i = 0; i < count;) {
-                    const int ow = a.p8 != NULL && count - i >= 2 ? 2 : 1;
-                    float out[2 * RT];
+                for (int i = 0; i < count; i++) {
+                    float out[RT];
                     pass_rows(q + (int64_t)i * k, d + (int64_t)i * 2 * chunks,
-                              m + (int64_t)i * 2 * chunks, sc + (int64_t)i * chunks,
-                              dsb + (int64_t)i * (chunks / 8), type, chunks, k, &a, r0, rt, ow,
-                              out);
-                    for (int e = 0; e < ow; e++, i++) {
-                        const float b = bias != NULL ? ((const float *)bias)[ob + i] : 0.0f;
-                        for (int t = 0; t < rt; t++)
-                            ((float *)y)[(int64_t)(r0 + t) * y_stride + ob + i] =
-                                out[e * RT + t] + b;
-                    }
+                              m + (int64_t)i * 2 * chunks, type, chunks, k, &a, r0, rt, out);
+                    const float b = bias != NULL ? ((const float *)bias)[ob + i] : 0.0f;
+                    for (int t = 0; t < rt; t++)
+                        ((float *)y)[(int64_t)(r0 + t) * y_stride + ob + i] = out[t] + b;
                 }
                 r0 += rt;
             }
@@ -536,8 +566,6 @@ static int quant_linear_int(const void *x, int64_t x_stride, int bf16, const uin
         free(q);
         free(d);
         free(m);
-        free(sc);
-        free(dsb);
     }
     acts_free(&a);
     return failed ? -2 : 0;
