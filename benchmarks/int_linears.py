@@ -46,7 +46,7 @@ def main() -> None:
         calls.append(((model.head_blocks,), model.config.hidden_size))
     linears = {mode: kernels_at(tier, engine.dtype, model.config.head_dim,
                                 mode).quant_linear for mode in MODES}
-    for mode in MODES[1:] if args.int_rows is not None else ():
+    for mode in [m for m in MODES if m != "none"] if args.int_rows is not None else ():
         linears[mode].int_rows = args.int_rows
     # each mode's copy of the weights in the format it reads (int8 repacks where its tier does)
     formats = {mode: [(tuple(linear.in_format(w) for w in runs), k) for runs, k in calls]

@@ -210,7 +210,8 @@ def main() -> None:
                    help="time decode steps at each of these batch sizes instead")
     p.add_argument("--prefill", default=None, metavar="N1,N2,...",
                    help="with --curve: also one prompt chunk of each of these lengths")
-    p.add_argument("--activation-quant", default="none", choices=ACTIVATION_QUANTS,
+    p.add_argument("--activation-quant", default=EngineConfig.activation_quant,
+                   choices=ACTIVATION_QUANTS,
                    help="the block linears' activations (EngineConfig.activation_quant)")
     p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
                    help="the KV cache's storage (EngineConfig.kv_cache_dtype)")

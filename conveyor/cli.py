@@ -83,7 +83,7 @@ def _env(args: argparse.Namespace) -> None:
     device = config.torch_device()
     dtype = config.torch_dtype(None, device)
     choice = isa.current()
-    kernels = cpu_kernels(device, dtype, 64)
+    kernels = cpu_kernels(device, dtype, 64, config.activation_quant)
     print(f"conveyor {__version__}, torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads (fewer while other processes keep cores busy, "
           f"unless --no-adaptive-threads)")

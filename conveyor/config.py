@@ -24,7 +24,7 @@ _UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "kib": 2**10, "m": 1e6, "mb": 1e6,
 # --quantization: GGUF block types gguf-py quantizes to (llama.cpp's reference rounding)
 QUANTIZATIONS = ("q8_0", "q4_1", "q4_0")
 TASKS = ("generate", "embed")
-ACTIVATION_QUANTS = ("none", "int16", "int8")
+ACTIVATION_QUANTS = ("auto", "none", "int16", "int8")
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float32", "int8")  # (model/kv_cache.py)
 # vLLM's names: FlexAttention over the pages in place (model/flex_attention.py); the CPU's paged
 # decode kernel and SDPA over gathered pages (model/attention.py)
@@ -119,10 +119,12 @@ class EngineConfig:
         False, "run decode steps eagerly; otherwise on CUDA with FLEX_ATTENTION they replay "
                "CUDA graphs captured at a ladder of batch sizes (vLLM's flag)")
     activation_quant: str = setting(
-        "none", "the GGUF block linears multiply integer activations: each run of 32 inputs "
+        "auto", "the GGUF block linears multiply integer activations: each run of 32 inputs "
                 "scaled to int16 (15 bits), or int8 with llama.cpp's numerics (Q8_0; Q8_K, a "
                 "scale per 256, on the K-quants); a decode's few rows at the avx512/amx tiers "
-                "(VNNI), at the avx2 tier int8 every K-quant call; agreement and speed: "
+                "(VNNI), at the avx2 tier int8 every K-quant call (repacked at load); auto: "
+                "int8 on the K-quants where it is faster than float (the avx2 and avx512 "
+                "tiers), float elsewhere; none: float; agreement and speed: "
                 "docs/results/activation-quant",
         choices=ACTIVATION_QUANTS)
     batch_invariant: bool = setting(
@@ -158,7 +160,7 @@ class EngineConfig:
             raise ValueError("give num_kv_blocks or kv_cache_memory, not both")
         if self.kv_cache_memory is not None:
             self.kv_cache_memory = parse_memory(self.kv_cache_memory)
-        if self.batch_invariant and self.activation_quant != "none":
+        if self.batch_invariant and self.activation_quant not in ("auto", "none"):
             raise ValueError("batch_invariant takes float activations: --activation-quant "
                              "quantizes a step's rows by how many there are")
         cpu = isa.current()

@@ -61,7 +61,11 @@ def test_env_says_the_tier_dtype_and_kernels():
     assert res.returncode == 0, res.stderr
     assert f"cpu tier: {cpu.describe()}" in res.stdout
     assert f"dtype {'bfloat16' if cpu.native_bf16 else 'float32'} (auto:" in res.stdout
-    assert f"kernels: C kernels, CPU tier {cpu.tier}" in res.stdout
+    # the default activations (auto): int8 on the K-quants at avx2 (repacked) and avx512
+    numerics = {"avx2": "int8 activations on the K-quants (auto), the K-quants repacked in "
+                        "groups of 8 rows, ",
+                "avx512": "int8 activations on the K-quants (auto), "}.get(cpu.tier, "")
+    assert f"kernels: C kernels, {numerics}CPU tier {cpu.tier}" in res.stdout
     assert "batch invariance: off unless --batch-invariant\n" in res.stdout
     forced = subprocess.run([*CLI, "env"], capture_output=True, text=True, timeout=300,
                             env=dict(os.environ, HF_HUB_OFFLINE="1", CONVEYOR_CPU_ISA="generic"))

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from conveyor.kernels.activations import K_QUANTS
+from conveyor.kernels import huge_pages
 from conveyor.kernels.blocks import BLOCK_TYPES, DENSE_TYPES, WIDE_SCALARS, QuantizedWeight
 from conveyor.kernels.signatures import bind
 
@@ -326,10 +327,11 @@ class IntQuantLinear(QuantLinear):
     K-quants for int8 (the avx2 tier: csrc/repacked.h) they are read so at every row count,
     faster than the float kernels; the other weights are in the float kernels' format."""
 
-    LEVELS = {"int16": 16383, "int8": 127}
+    LEVELS = {"int16": 16383, "int8": 127, "auto": 127}
     # the most rows the integer kernel is faster at, at the avx512/amx tiers (AMX or the few-row
-    # FMA kernel take more); its two products a value make int16 faster only at one
-    INT_ROWS = {"int16": 1, "int8": 4}
+    # FMA kernel take more); its two products a value make int16 faster only at one; auto
+    # leaves the 32-weight types to the float kernels (library.AUTO_INT8_TIERS)
+    INT_ROWS = {"int16": 1, "int8": 4, "auto": 0}
     # the most rows int8 takes K-quant calls at, on its super-block integer sums, by tier: at
     # avx512 faster than the FMA kernel and the dense rows up to 16
     # (docs/results/moe#int8-super-blocks); AMX unmeasured, so int_rows there; at avx2 the
@@ -337,12 +339,19 @@ class IntQuantLinear(QuantLinear):
     SUPERBLOCK_ROWS = {"avx512": 16}
 
     def __init__(self, lib: ctypes.CDLL, dtype: torch.dtype, mode: str, tier: str) -> None:
+        """mode: int16, int8, or auto (int8 on the K-quants alone)."""
         super().__init__(lib, dtype)
         self.mode, self.levels, self.int_rows = mode, self.LEVELS[mode], self.INT_ROWS[mode]
-        self.superblock_rows = self.SUPERBLOCK_ROWS.get(tier, 0) if mode == "int8" else 0
+        self.superblock_rows = self.SUPERBLOCK_ROWS.get(tier, 0) if self.levels == 127 else 0
         self._int_fn = entry(lib, "quant_linear_int", dtype)
         self._repack = (bind(lib, "repack_rows"), bind(lib, "repacked_row_bytes")) if (
-            mode == "int8" and dtype == torch.float32 and hasattr(lib, "repack_rows")) else None
+            self.levels == 127 and dtype == torch.float32 and hasattr(lib, "repack_rows")) else None
+
+    def numerics(self) -> str:
+        """What this linear multiplies, in a few words (the start-up line, ``conveyor env``)."""
+        which = " on the K-quants (auto)" if self.mode == "auto" else ""
+        layout = ", the K-quants repacked in groups of 8 rows" if self._repack else ""
+        return f"{'int8' if self.levels == 127 else 'int16'} activations{which}{layout}"
 
     def in_format(self, weight: QuantizedWeight) -> QuantizedWeight:
         """The float kernels' format, or the K-quants repacked where this tier's int8 kernel
@@ -355,7 +364,7 @@ class IntQuantLinear(QuantLinear):
         width = row_bytes(weight.ggml_type, k)
         if width < 0:
             return weight
-        out = torch.empty(-(-n // 8) * 8, width, dtype=torch.uint8)
+        out = huge_pages.zeros((-(-n // 8) * 8, width), torch.uint8, torch.device("cpu"))
         code = repack(weight.blocks.data_ptr(), weight.blocks.stride(0), weight.ggml_type, n, k,
                       out.data_ptr(), torch.get_num_threads())
         assert code > 0

@@ -24,6 +24,11 @@ from conveyor.kernels.signatures import bind
 logger = logging.getLogger("conveyor")
 
 BF16_HEAD_DIMS = (64, 128, 256)  # the specialisations paged_decode_bf16.c compiles
+# --activation-quant auto: int8 on the K-quants at the tiers where that is faster than float
+# (docs/results/activation-quant): avx2 (their repacked kernel, at every row count) and avx512
+# (VNNI, a decode's few rows); float at amx (its bfloat16 tiles) and generic, and on the other
+# block types (a float operation a chunk for their scale a chunk: slower than float)
+AUTO_INT8_TIERS = ("avx2", "avx512")
 OFF = "CONVEYOR_CPU_KERNELS"
 
 
@@ -98,15 +103,17 @@ def unavailable(dtype: torch.dtype, head_dim: int, tier: str) -> str | None:
 def kernels_at(tier: str, dtype: torch.dtype, head_dim: int, activation_quant: str = "none",
                batch_invariant: bool = False) -> CPUKernels | None:
     """The kernels of ``tier`` (which this CPU must be able to run) for this dtype; the block
-    linears on integer activations unless ``activation_quant`` is "none", each row's result
-    independent of the other rows' where ``batch_invariant``."""
+    linears on integer activations unless ``activation_quant`` is "none" (or "auto" where
+    float is the faster), each row's result independent of the other rows' where
+    ``batch_invariant`` (float activations)."""
     if unavailable(dtype, head_dim, tier) is not None:
         return None
     lib = load_library(tier)
     if lib is None or not has_entry(lib, "quant_linear", dtype):
         return None
-    integer = activation_quant != "none"
-    linear = (IntQuantLinear(lib, dtype, activation_quant, tier) if integer
+    if activation_quant == "auto" and (tier not in AUTO_INT8_TIERS or batch_invariant):
+        activation_quant = "none"
+    linear = (IntQuantLinear(lib, dtype, activation_quant, tier) if activation_quant != "none"
               else QuantLinear(lib, dtype, batch_invariant))
     return CPUKernels(tier, dtype, DecodeKernel(lib, dtype), AddRMSNorm(lib, dtype),
                       {act: GatedMul(lib, dtype, act) for act in GLU_KERNELS},
@@ -138,7 +145,7 @@ def describe(device: torch.device, dtype: torch.dtype, head_dim: int,
     if kernels is not None:
         linear = kernels.quant_linear
         integer = isinstance(linear, IntQuantLinear)
-        return (f"C kernels{f', {linear.mode} activations' if integer else ''}"
+        return (f"C kernels{f', {linear.numerics()}' if integer else ''}"
                 f"{', batch invariant' if linear.invariant else ''}, "
                 f"CPU tier {choice.describe()}")
     why = (unavailable(dtype, head_dim, choice.tier)

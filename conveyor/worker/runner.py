@@ -13,7 +13,7 @@ from conveyor.core.request import Request
 from conveyor.core.scheduler import SchedulerOutput
 from conveyor.kernels.blocks import QuantizedWeight
 from conveyor.kernels.library import cpu_kernels, describe
-from conveyor.model import huge_pages
+from conveyor.kernels import huge_pages
 from conveyor.model.attention import AttentionMetadata, DecodeGroup, PrefillChunk
 from conveyor.model.backend import apply_backend
 from conveyor.model.config import ModelConfig
@@ -84,7 +84,8 @@ class ModelRunner:
         self.config = config
         self.device = device
         kernels = cpu_kernels(device, dtype, config.head_dim, activation_quant, batch_invariant)
-        for asked, name in ((activation_quant != "none", f"activation_quant {activation_quant}"),
+        for asked, name in ((activation_quant not in ("auto", "none"),
+                             f"activation_quant {activation_quant}"),
                             (batch_invariant, "batch_invariant")):
             if kernels is None and asked:
                 raise ValueError(f"{name} needs the CPU kernels, which do not run here: "

@@ -16,9 +16,9 @@ import torch.nn.functional as F
 
 from conveyor.kernels import isa
 from conveyor.kernels.activations import fake_quantize, kernel_mode
-from conveyor.kernels.bindings import GLU_KERNELS, QuantLinear
+from conveyor.kernels.bindings import GLU_KERNELS, IntQuantLinear, QuantLinear
 from conveyor.kernels.blocks import QuantizedWeight
-from conveyor.kernels.library import BF16_HEAD_DIMS, cpu_kernels, kernels_at
+from conveyor.kernels.library import AUTO_INT8_TIERS, BF16_HEAD_DIMS, cpu_kernels, kernels_at
 from conveyor.model.attention import gather_pages, write_kv
 from conveyor.model.config import ModelConfig
 from conveyor.model.kv_cache import dequantize, quantize
@@ -724,3 +724,27 @@ def test_integer_activations_take_a_decodes_few_rows_and_float_kernels_the_rest(
                 max(integer.int_rows, superblock_rows) if qtype == Q.Q4_K else integer.int_rows)
             if floats or mode == "int8" or dtype == F32:
                 assert same == floats, (qtype, rows)
+
+
+@pytest.mark.parametrize("tier,dtype", CASES)
+def test_auto_activations_are_int8_on_the_k_quants_where_that_is_faster(tier, dtype):
+    """--activation-quant auto (the default): at the avx2 and avx512 tiers int8 on the K-quants
+    (avx2: repacked, every row count; avx512: up to superblock_rows), and the float kernels'
+    own result, bit for bit, on the other block types and elsewhere (amx, generic; batch
+    invariance)."""
+    kernels = kernels_at(tier, dtype, 64, "auto")
+    linear, plain = kernels.quant_linear, QuantLinear(kernels.lib, dtype)
+    assert isinstance(linear, IntQuantLinear) == (tier in AUTO_INT8_TIERS)
+    assert not isinstance(kernels_at(tier, dtype, 64, "auto", batch_invariant=True).quant_linear,
+                          IntQuantLinear)
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(20, 256, generator=gen).to(dtype)
+    for qtype in (Q.Q4_K, Q.Q6_K, Q.Q4_1, Q.Q8_0):
+        raw = random_blocks(qtype, 24, 256)[0]
+        weight, as_stored = linear.in_format(raw), plain.in_format(raw)
+        assert bool(weight.repacked) == (tier == "avx2" and qtype in K_QUANTS)
+        for rows in (1, 4, 20):
+            integer = isinstance(linear, IntQuantLinear) and qtype in K_QUANTS and (
+                weight.repacked or rows <= linear.superblock_rows)
+            same = torch.equal(linear(x[:rows], weight), plain(x[:rows], as_stored))
+            assert same != integer, (qtype, rows)

@@ -37,7 +37,7 @@
 #define RT 4   /* activation rows a pass of unpacked rows takes (1, 2 or 4) */
 #define OB 16  /* weight rows unpacked at a time and passed by every group of RT rows */
 #define X8_ROWS 32  /* activation rows a pass of a repacked group takes (its sums in L1) */
-#define X8_SPAN 256  /* activation rows a thread's groups take in turn (theirs in L2) */
+#define X8_SPAN (256 << 10)  /* bytes of activation rows a thread's groups take in turn (in L2) */
 #define PREFETCH 4096  /* bytes ahead a pass prefetches the repacked weights it reads */
 
 /* x's rows as integers, as generic/quant_linear_int.c's int_rows quantizes them (the same
@@ -72,7 +72,7 @@ static inline int32_t hsum_epi32(__m256i v) {
 
 __attribute__((optimize("no-fast-math")))
 static int acts_of(Acts *a, const void *x, int64_t x_stride, int rows, int k, int levels,
-                   int type) {
+                   int type, int threads) {
     const int chunks = k / 32, run = activation_run(stored_type(type), levels);
     memset(a, 0, sizeof *a);
     a->rows = rows;
@@ -92,8 +92,9 @@ static int acts_of(Acts *a, const void *x, int64_t x_stride, int rows, int k, in
         return -2;
     }
     const __m256 sign = _mm256_set1_ps(-0.0f);
-    float run_amax = 0.0f;
-    for (int r = 0; r < rows; r++)
+    #pragma omp parallel for num_threads(rows > 1 ? threads : 1) schedule(static)
+    for (int r = 0; r < rows; r++) {
+        float run_amax = 0.0f;
         for (int j = 0; j < chunks; j++) {
             if (run > 32 && 32 * j % run == 0)
                 run_amax = magnitude_of(x, r * x_stride + 32 * j, 0, run);
@@ -139,6 +140,7 @@ static int acts_of(Acts *a, const void *x, int64_t x_stride, int rows, int k, in
                                    _mm256_permute4x64_epi64(_mm256_packs_epi16(w01, w23), 0xd8));
             }
         }
+    }
     return 0;
 }
 
@@ -487,20 +489,21 @@ static void repacked_linear(const Acts *a, const uint8_t *w, int64_t row_bytes, 
                             const void *bias, void *y, int64_t y_stride, int rows, int n, int k,
                             int threads) {
     const int groups = (n + 7) / 8;
+    const int span_rows = X8_SPAN / k > X8_ROWS ? X8_SPAN / k / X8_ROWS * X8_ROWS : X8_ROWS;
     #pragma omp parallel num_threads(threads)
     {
         __m256i iacc[2 * X8_ROWS];
         __m256 acc[X8_ROWS];
         int g0, g1;
         thread_share(groups, &g0, &g1);
-        for (int span = 0; span < rows; span += X8_SPAN)
+        for (int span = 0; span < rows; span += span_rows)
             for (int g = g0; g < g1; g++) {
                 const uint8_t *grp = w + (int64_t)g * 8 * row_bytes;
                 const int valid = n - 8 * g < 8 ? n - 8 * g : 8;
                 float b[8] = {0};
                 if (bias != NULL) memcpy(b, (const float *)bias + 8 * g, valid * sizeof(float));
                 const __m256 bv = _mm256_loadu_ps(b);
-                const int end = rows < span + X8_SPAN ? rows : span + X8_SPAN;
+                const int end = rows < span + span_rows ? rows : span + span_rows;
                 for (int r0 = span; r0 < end; r0 += X8_ROWS) {
                     const int rt = end - r0 < X8_ROWS ? end - r0 : X8_ROWS;
                     x8_rows(grp, type, k / 256, a, r0, rt, k, iacc, acc);
@@ -531,7 +534,7 @@ static int quant_linear_int(const void *x, int64_t x_stride, int bf16, const uin
     }
     const int chunks = k / 32;
     Acts a;
-    if (acts_of(&a, x, x_stride, rows, k, levels, type) != 0) return -2;
+    if (acts_of(&a, x, x_stride, rows, k, levels, type, threads) != 0) return -2;
     if (is_repacked(type)) {
         repacked_linear(&a, w, row_bytes, stored_type(type), bias, y, y_stride, rows, n, k,
                         threads);

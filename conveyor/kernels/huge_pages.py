@@ -1,8 +1,9 @@
-"""KV caches on transparent huge pages (Linux, CPU).
+"""KV caches and repacked weights on transparent huge pages (Linux, CPU).
 
 Decode attention reads each request's pages, which lie anywhere in a pool of hundreds of MB, a
 few KB at a time: with 4 KB pages nearly every read of a KV page also misses the TLB (and the
-block linears stream every layer's weights each step). Asking the
+block linears stream every layer's weights each step, so their copies in a kernel's own layout
+are allocated here too). Asking the
 kernel for 2 MB pages (``madvise(MADV_HUGEPAGE)``, honoured where
 ``/sys/kernel/mm/transparent_hugepage/enabled`` is ``always`` or ``madvise``) before the pool is
 first touched removes most of those misses. (A GGUF's blocks are read from the file's map, where

@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from conveyor.model import huge_pages
+from conveyor.kernels import huge_pages
 
 
 def vm_flags(address: int) -> list[str]:
