@@ -14,8 +14,9 @@ int repacked_row_bytes(int type, int k) {
     return x8_block_bytes(type) == 0 || k % 256 ? -1 : x8_block_bytes(type) * (k / 256);
 }
 
-/* Row r (0..7) of a group's super-block o from its stored super-block b. */
-static void repack_block(const uint8_t *b, int type, int r, uint8_t *o) {
+/* Row r (0..7) of a group's super-block o from its stored super-block b (`type` a constant in
+ * each caller). */
+static ALWAYS_INLINE void repack_block(const uint8_t *b, int type, int r, uint8_t *o) {
     /* its slot among the low or the high rows of a step */
     const int high = r == 2 || r == 3 || r == 6 || r == 7, slot = (r >> 1 & 2) | (r & 1);
     if (type == Q6_K) {
@@ -64,9 +65,13 @@ int repack_rows(const uint8_t *w, int64_t row_bytes, int type, int n, int k, uin
         for (int sb = 0; sb < sbs; sb++) {
             uint8_t *o = out + (int64_t)g * 8 * rb + (int64_t)sb * gb;
             memset(o, 0, gb);
-            for (int r = 0; r < 8 && 8 * g + r < n; r++)
-                repack_block(w + (int64_t)(8 * g + r) * row_bytes
-                             + (int64_t)sb * stored_block_bytes(type), type, r, o);
+            for (int r = 0; r < 8 && 8 * g + r < n; r++) {
+                const uint8_t *b = w + (int64_t)(8 * g + r) * row_bytes
+                                   + (int64_t)sb * stored_block_bytes(type);
+                if (type == Q4_K) repack_block(b, Q4_K, r, o);
+                else if (type == Q5_K) repack_block(b, Q5_K, r, o);
+                else repack_block(b, Q6_K, r, o);
+            }
         }
     return X8 + type;
 }
