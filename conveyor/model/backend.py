@@ -82,15 +82,19 @@ def _place_weights(model: Transformer, weights: dict[str, torch.Tensor],
         w = weights[name] if name in weights else quantized[name].dequantize()
         return w.to(dtype=as_dtype, device=device)
 
-    def blocks(names: list[str], kept: bool = False) -> tuple[QuantizedWeight, ...] | None:
-        """The parts' blocks as the kernel reads them, or None (then they run dense); kept:
-        the file's blocks stay mapped even where a copy replaces them."""
+    def blocks(names: list[str], lookup: bool = False) -> tuple[QuantizedWeight, ...] | None:
+        """The parts' blocks as the kernel reads them, or None (then they run dense); lookup:
+        an embedding table's, whose rows are looked up (in the float kernels' format; as the
+        kernel reads them only where the table is the head too: the file's blocks then stay
+        mapped even where a copy replaces them)."""
         found = [quantized.get(name) for name in names]
         if kernel is not None and all(q is not None and q.ggml_type in kernel.types
                                       and q.in_features % KERNEL_CHUNK == 0 for q in found):
-            runs = tuple(kernel.in_format(q) for q in found)
+            read = (kernel.lookup_format if lookup and model.output is not None
+                    else kernel.in_format)
+            runs = tuple(read(q) for q in found)
             for q, run in zip(found, runs):
-                if run is not q and q.release is not None and not kept:  # a copy replaces it
+                if run is not q and q.release is not None and not lookup:  # a copy replaces it
                     q.release()
             return runs
         unread.extend((n, q.ggml_type) for n, q in zip(names, found) if q is not None
@@ -127,15 +131,16 @@ def _place_weights(model: Transformer, weights: dict[str, torch.Tensor],
     if model.output is not None:
         place(model.output, ["output"])
     embedding = "tok_embeddings.weight"
-    table = blocks([embedding], kept=True) if kernels is not None else None
+    table = blocks([embedding], lookup=True) if kernels is not None else None
     if table is not None:
-        # the lookup reads the float kernels' format; a head repacked for the integer kernel
-        # is a copy beside it (the lookup touches only a step's rows of the file's blocks)
-        model.embedding_blocks = (kernel.lookup_format(quantized[embedding])
-                                  if table[0].repacked else table[0])
+        # the lookup reads the float kernels' format; a tied head repacked for the integer
+        # kernel is a copy beside it (the lookup touches only a step's rows of the file's)
+        stored = quantized[embedding]
+        model.embedding_blocks = (kernel.lookup_format(stored) if table[0].repacked
+                                  else table[0])
         model.embedding_rows = kernels.dequant_rows
-        if model.embedding_blocks is not quantized[embedding] and quantized[embedding].release:
-            quantized[embedding].release()
+        if model.embedding_blocks is not stored and stored.release is not None:
+            stored.release()
         if model.output is None:
             model.head_blocks, model.head_kernel = table[0], kernel
         model.tok_embeddings.weight = nn.Parameter(torch.empty(0, dtype=dtype, device=device),

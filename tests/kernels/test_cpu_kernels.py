@@ -748,3 +748,38 @@ def test_auto_activations_are_int8_on_the_k_quants_where_that_is_faster(tier, dt
                 weight.repacked or rows <= linear.superblock_rows)
             same = torch.equal(linear(x[:rows], weight), plain(x[:rows], as_stored))
             assert same != integer, (qtype, rows)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_a_repacked_head_leaves_the_lookup_its_blocks(tmp_path, monkeypatch, tied):
+    """Where int8 repacks the K-quants (the avx2 tier), a tied head is repacked and its lookups
+    read the file's blocks as stored; an untied table is only looked up, so it is not repacked.
+    Either way the embedding is the loader's rows and the head the repacked kernel's result."""
+    if "avx2" not in RUNNABLE:
+        pytest.skip("the repacked layout is the avx2 tier's")
+    from tiny_models import TINY_VOCAB, make_tiny_model, write_gguf
+
+    from conveyor import LLM
+    from conveyor.model.loader import load_model
+
+    model = make_tiny_model("llama", vocab_size=len(TINY_VOCAB), hidden_size=256,
+                            intermediate_size=512, tie_word_embeddings=tied)
+    path = write_gguf(str(tmp_path / "m.gguf"), model, tokenizer=True, types={
+        "token_embd": Q.Q6_K, "output": Q.Q4_K, "attn_q": Q.Q4_K, "attn_k": Q.Q4_K,
+        "attn_v": Q.Q4_K, "attn_output": Q.Q4_K, "ffn_gate": Q.Q4_K, "ffn_up": Q.Q4_K,
+        "ffn_down": Q.Q4_K})
+    monkeypatch.setattr(isa, "current", lambda: isa.choose(requested="avx2"))
+    net = LLM(model=path, dtype="float32", activation_quant="int8",
+              num_kv_blocks=8).engine.runner.model
+    head = net.head_blocks if tied else net.output.quantized[0]
+    assert head.repacked and not net.embedding_blocks.repacked
+    assert (net.output is None) == tied
+    loaded = load_model(path)
+    table = loaded.dense("tok_embeddings.weight")
+    ids = torch.tensor([0, 5, len(TINY_VOCAB) - 1])
+    assert torch.equal(net.embed(ids), table[ids])
+    weight = (table if tied else loaded.dense("output.weight")).double()
+    quantized = fake_quantize(torch.randn(3, 256), "int8-superblock").double()
+    got = net.compute_logits(quantized.float()).double()
+    want, bound = F.linear(quantized, weight), F.linear(quantized.abs(), weight.abs())
+    assert ((got - want).abs() <= 2e-6 * bound).all()

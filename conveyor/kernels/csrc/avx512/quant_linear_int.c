@@ -11,8 +11,8 @@
  * becomes float32 and takes its chunk's d * s (Q6_K's sixteens their own d) in a float32
  * accumulator, summed across lanes once per output value.
  *
- * The K-quants on int8 activations (Q8_K: a scale per 256) go as llama.cpp's q4_K x q8_K and
- * avx2/quant_linear_int.c's super-block sums do (pass_superblocks): vpmaddubsw pairs the
+ * The K-quants on int8 activations (Q8_K: a scale per 256) go as llama.cpp's q4_K x q8_K
+ * does (pass_superblocks; the avx2 tier's repacked kernel sums them so too): vpmaddubsw pairs the
  * products into int16 lanes, vpdpwssd multiplies each pair by its (Q6_K: half-)chunk's integer
  * scale into the int32 lanes, which add up through the super-block; one conversion and one FMA
  * by d * s a super-block: two instructions a vector an activation row where the chunks' way
