@@ -7,10 +7,11 @@ head's too) quantized as the integer kernels quantize it (``conveyor.kernels.act
 with a GGUF, ``int8`` takes each linear's kernel numerics from its stored type, Q8_K on the
 K-quants and Q8_0 on the others, as llama.cpp does, and ``auto`` is ``--activation-quant
 auto``'s: Q8_K on the K-quants, float on the others), or
-``kv-int8`` with every layer's keys (after rope) and values rounded to int8 rows as
-``--kv-cache-dtype int8`` stores them (``conveyor.model.kv_cache``), each token's own included,
-as the decode kernels read it. Per mode: the share of positions whose top token is the
-reference's, and the mean KL(reference || mode).
+``kv-int8`` (``kv-float16``) with every layer's keys (after rope) and values rounded to int8
+rows (to halves) as ``--kv-cache-dtype int8`` (``float16``) stores them
+(``conveyor.model.kv_cache``), each token's own included, as the kernels read them; ``A+K``
+both (``auto+kv-float16``: the avx2 tier's defaults). Per mode: the share of positions whose
+top token is the reference's, and the mean KL(reference || mode).
 
     .venv/bin/python benchmarks/activation_agreement.py [--model F.gguf | HF-folder] [--json F]
 
@@ -36,20 +37,22 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 import gguf
 
 from conveyor.kernels.activations import ACTIVATION_MODES, K_QUANTS, fake_quantize, kernel_mode
-from conveyor.model.kv_cache import dequantize, quantize
+from conveyor.model.kv_cache import as_cached
 from conveyor.model.loader import default_model_path
 
-KV_MODE = "kv-int8"
+KV_MODES = {"kv-int8": torch.int8, "kv-float16": torch.float16}
 
 
-def int8_kv_attention(module, query, key, value, attention_mask, **kwargs):
-    """SDPA over keys and values as an int8 cache gives them back."""
-    return sdpa_attention_forward(module, query, dequantize(quantize(key), key.dtype),
-                                  dequantize(quantize(value), value.dtype), attention_mask,
-                                  **kwargs)
+def cached_kv_attention(storage: torch.dtype):
+    """SDPA over keys and values as a cache of ``storage`` gives them back."""
+    def attention(module, query, key, value, attention_mask, **kwargs):
+        return sdpa_attention_forward(module, query, as_cached(key, storage),
+                                      as_cached(value, storage), attention_mask, **kwargs)
+    return attention
 
 
-AttentionInterface.register(KV_MODE, int8_kv_attention)
+for name, storage in KV_MODES.items():
+    AttentionInterface.register(name, cached_kv_attention(storage))
 
 
 def load(path: str) -> tuple[transformers.PreTrainedModel, transformers.PreTrainedTokenizerBase]:
@@ -90,13 +93,16 @@ def log_probs(model, windows: list[torch.Tensor], mode: str, types: dict[str, in
               first: int = 0) -> torch.Tensor:
     """[positions, vocab]: every window's next-token log-distributions from position
     ``first`` on (the last one's too, or but it where ``first``), inputs or KV quantized."""
+    parts = mode.split("+")
+    kv = next((p for p in parts if p in KV_MODES), None)
+    activations = next((p for p in parts if p not in KV_MODES), "none")
     hooks = []
     for name, m in model.named_modules():
-        layer = layer_mode(mode, types.get(name))
-        if isinstance(m, torch.nn.Linear) and layer not in ("none", KV_MODE):
+        layer = layer_mode(activations, types.get(name))
+        if isinstance(m, torch.nn.Linear) and layer != "none":
             hooks.append(m.register_forward_pre_hook(
                 lambda _, args, layer=layer: (fake_quantize(args[0], layer),)))
-    model.set_attn_implementation(KV_MODE if mode == KV_MODE else "sdpa")
+    model.set_attn_implementation(kv or "sdpa")
     end = -1 if first else None
     try:
         return torch.cat([torch.log_softmax(
@@ -116,7 +122,7 @@ def main() -> None:
                    help="llama-perplexity's chunks of this many tokens (with --chunks)")
     p.add_argument("--chunks", type=int, default=None)
     p.add_argument("--modes", nargs="+",
-                   default=[m for m in ACTIVATION_MODES if m != "none"] + [KV_MODE])  # (+ auto)
+                   default=[m for m in ACTIVATION_MODES if m != "none"] + list(KV_MODES))
     p.add_argument("--json", default=None, help="write the figures here too")
     args = p.parse_args()
     path = args.model or default_model_path()
@@ -141,7 +147,7 @@ def main() -> None:
     print(f"{os.path.basename(path)}: {len(reference)} positions teacher-forced in "
           f"{len(windows)} windows of {len(windows[0])} tokens, float32; every linear's input "
           f"quantized, or the KV cache")
-    print(f"{'mode':<12}{'top-1 agreement':>16}{'mean KL':>12}{'max KL':>12}")
+    print(f"{'mode':<20}{'top-1 agreement':>16}{'mean KL':>12}{'max KL':>12}")
     figures = {}
     for mode in args.modes:
         got = log_probs(model, windows, mode, types, first)
@@ -149,7 +155,7 @@ def main() -> None:
         agree = float((got.argmax(dim=-1) == top).float().mean())
         figures[mode] = {"top1_agreement": agree, "mean_kl": float(kl.mean()),
                          "max_kl": float(kl.max()), "positions": len(kl)}
-        print(f"{mode:<12}{100 * agree:>15.2f}%{float(kl.mean()):>12.2e}{float(kl.max()):>12.2e}")
+        print(f"{mode:<20}{100 * agree:>15.2f}%{float(kl.mean()):>12.2e}{float(kl.max()):>12.2e}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"model": os.path.basename(path), "window": len(windows[0]),

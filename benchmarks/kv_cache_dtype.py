@@ -1,13 +1,16 @@
-"""What an int8 KV cache (``--kv-cache-dtype int8``) saves: the pool's bytes a token, and decode
-speed where reading the cache is a step's largest cost (many requests with long prompts).
+"""What a narrow KV cache (``--kv-cache-dtype int8``, or float16 for a float32 model) saves: the
+pool's bytes a token, and decode speed where reading the cache is a step's largest cost (many
+requests with long prompts).
 
 For each KV dtype, in one run: ``--batch`` requests of ``--context`` random prompt tokens are
 prefilled (timed), then ``--steps`` decode steps of all of them are timed (the median step gives
 tokens a second). Rounds alternate the dtypes so that the machine's drift falls on both.
 With ``--kernel``, instead, the decode attention kernel alone on random caches of the
-Llama-3.2-1B shape (32 query and 8 KV heads of 64): milliseconds a layer in either storage.
+Llama-3.2-1B shape (32 query and 8 KV heads of 64), in the tier's dtype: milliseconds a layer
+in each storage it reads.
 
     .venv/bin/python benchmarks/kv_cache_dtype.py --model 1b.gguf --batch 32 --context 2048
+    .venv/bin/python benchmarks/kv_cache_dtype.py --model 1b.gguf --kv float32 float16 int8
     .venv/bin/python benchmarks/kv_cache_dtype.py --kernel --batch 32 --context 2048
 """
 
@@ -28,7 +31,7 @@ from conveyor.config import KV_CACHE_DTYPES, EngineConfig  # noqa: E402
 from conveyor.engine.engine import LLMEngine  # noqa: E402
 from conveyor.kernels import isa  # noqa: E402
 from conveyor.kernels.library import cpu_kernels  # noqa: E402
-from conveyor.model.kv_cache import quantize  # noqa: E402
+from conveyor.model.kv_cache import stored  # noqa: E402
 from conveyor.worker.runner import kv_bytes_per_block  # noqa: E402
 
 
@@ -70,19 +73,24 @@ def run(args: argparse.Namespace, kv: str) -> dict:
 
 
 def kernel(args: argparse.Namespace, repeats: int = 5) -> None:
-    """The decode attention kernel alone, on the machine's tier in bfloat16."""
+    """The decode attention kernel alone, on the machine's tier in its dtype (bfloat16 where it
+    computes it, else float32), reading caches of that dtype, float16 (of float32) and int8."""
     heads, kv_heads, dim, block_size = 32, 8, 64, 16
-    attend = cpu_kernels(torch.device("cpu"), torch.bfloat16, dim).decode_attention
+    dtype = torch.bfloat16 if isa.current().native_bf16 else torch.float32
+    attend = cpu_kernels(torch.device("cpu"), dtype, dim).decode_attention
     pages = args.context // block_size
     gen = torch.Generator().manual_seed(0)
-    wide = [torch.randn(args.batch * pages, block_size, kv_heads, dim, generator=gen).to(
-        torch.bfloat16) for _ in range(2)]
+    wide = [torch.randn(args.batch * pages, block_size, kv_heads, dim, generator=gen).to(dtype)
+            for _ in range(2)]
     tables = torch.randperm(args.batch * pages, generator=gen).view(args.batch, pages).int()
     lens = torch.full((args.batch,), args.context, dtype=torch.int32)
-    q = torch.randn(args.batch, heads, dim, generator=gen).to(torch.bfloat16)
+    q = torch.randn(args.batch, heads, dim, generator=gen).to(dtype)
     out = torch.empty_like(q)
+    storages = [dtype, torch.float16, torch.int8] if dtype == torch.float32 else [dtype, torch.int8]
     for _ in range(args.rounds):
-        for name, (k, v) in (("bfloat16", wide), ("int8", [quantize(c) for c in wide])):
+        for storage in storages:
+            name = str(storage).removeprefix("torch.")
+            k, v = (stored(c, storage) for c in wide)
             attend(q, k, v, tables, lens, out)
             start = time.perf_counter()
             for _ in range(repeats):

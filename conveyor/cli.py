@@ -78,6 +78,7 @@ def _env(args: argparse.Namespace) -> None:
     from conveyor.kernels import build, isa
     from conveyor.kernels.library import cpu_kernels, describe
     from conveyor.model.backend import can_prepack
+    from conveyor.model.kv_cache import cache_storage
 
     config = EngineConfig(dtype=args.dtype, device=args.device)
     device = config.torch_device()
@@ -95,8 +96,9 @@ def _env(args: argparse.Namespace) -> None:
     print(f"oneDNN bfloat16 prepacking: {'yes' if can_prepack(device, torch.bfloat16) else 'no'}")
     print("batch invariance: off unless --batch-invariant"
           + ("" if kernels is not None else " (which needs the CPU kernels: not here)"))
-    print(f"KV cache: {str(dtype).removeprefix('torch.')} (the model dtype) unless "
-          f"--kv-cache-dtype int8")
+    storage = cache_storage(config, dtype, device, 64)
+    print(f"KV cache: {str(storage).removeprefix('torch.')} (--kv-cache-dtype "
+          f"{config.kv_cache_dtype}{': halves of the float32 model' if storage != dtype else ''})")
 
 
 # vLLM's serve flags for what Conveyor does its own way: accepted, so that a vLLM launch line

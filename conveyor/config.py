@@ -25,7 +25,7 @@ _UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "kib": 2**10, "m": 1e6, "mb": 1e6,
 QUANTIZATIONS = ("q8_0", "q4_1", "q4_0")
 TASKS = ("generate", "embed")
 ACTIVATION_QUANTS = ("auto", "none", "int16", "int8")
-KV_CACHE_DTYPES = ("auto", "bfloat16", "float32", "int8")  # (model/kv_cache.py)
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32", "int8")  # (model/kv_cache.py)
 # vLLM's names: FlexAttention over the pages in place (model/flex_attention.py); the CPU's paged
 # decode kernel and SDPA over gathered pages (model/attention.py)
 ATTENTION_BACKENDS = ("auto", "FLEX_ATTENTION", "TORCH_SDPA")
@@ -96,8 +96,10 @@ class EngineConfig:
                  "stacks do (to measure what paging saves; no prefix caching)",
         choices=KV_LAYOUTS)
     kv_cache_dtype: str = setting(
-        "auto", "what the KV cache stores: auto, the model dtype; int8, a byte a value and a "
-                "scale per token and head (about half of bfloat16's memory and reads)",
+        "auto", "what the KV cache stores: auto, the model dtype, or float16 for a float32 model "
+                "where the CPU kernels run (AVX2 and up: half the bytes, llama.cpp's default); "
+                "float16 (a float32 model); int8, a byte a value and a scale per token and head "
+                "(about half of bfloat16's memory and reads)",
         choices=KV_CACHE_DTYPES)
     enable_prefix_caching: bool = setting(True, "reuse the KV pages of shared prompt prefixes")
     scheduling_policy: str = setting(

@@ -101,10 +101,12 @@ def run_conveyor(path: str | None, prompts, policy: str, dtype: str = "float32",
                  tensor_parallel_size: int = 1, check=None, num_kv_blocks: int = 20,
                  **settings):
     """check(llm): called after the run, before the engine shuts down; settings: further
-    ``LLM`` keywords. Float activations unless they say otherwise: transformers' float32
-    numerics token for token (the default, int8 on the K-quants, is held to llama.cpp's
-    accuracy instead: tests/kernels/test_activations.py)."""
+    ``LLM`` keywords. Float activations and a cache of the model dtype unless they say
+    otherwise: transformers' float32 numerics token for token (the defaults, int8 on the
+    K-quants and a float16 cache of a float32 model, are held to llama.cpp's accuracy instead:
+    tests/kernels/test_activations.py)."""
     settings.setdefault("activation_quant", "none")
+    settings.setdefault("kv_cache_dtype", dtype)
     llm = LLM(model=path, dtype=dtype, policy=policy, block_size=16, num_kv_blocks=num_kv_blocks,
               max_model_len=160, max_num_seqs=max_num_seqs, max_num_batched_tokens=64,
               tensor_parallel_size=tensor_parallel_size, **settings)

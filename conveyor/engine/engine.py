@@ -27,7 +27,7 @@ from conveyor.engine.input_processor import (InputProcessor, Prompt, chat_templa
                                              check_chat_template)
 from conveyor.engine.output_processor import OutputProcessor, RequestState, SampleState
 from conveyor.model.config import ModelConfig
-from conveyor.model.kv_cache import kv_storage
+from conveyor.model.kv_cache import cache_storage
 from conveyor.model.generation_config import sampling_defaults
 from conveyor.model.hub import resolve_model
 from conveyor.model.loader import load_model, load_tokenizer
@@ -130,7 +130,7 @@ class LLMEngine:
         self.dtype = config.torch_dtype(loaded.config.torch_dtype, self.device)
         self.dtype_reason = config.dtype_reason(loaded.config.torch_dtype, self.device)
 
-        self.kv_dtype = kv_storage(config.kv_cache_dtype, self.dtype)
+        self.kv_dtype = cache_storage(config, self.dtype, self.device, loaded.config.head_dim)
         pool = size_kv_pool(config, loaded.config, self.kv_dtype, self.device)
         num_blocks, model_len = pool.num_blocks, pool.max_model_len
         self.max_model_len = model_len

@@ -35,11 +35,16 @@ def has_entry(lib: ctypes.CDLL, name: str, dtype: torch.dtype) -> bool:
 
 def kv_type(cache: torch.Tensor, dtype: torch.dtype, head_dim: int) -> int:
     """The kernels' code for a cache's storage (csrc/common.h): 0, the model dtype; 1, int8
-    head rows of head_dim values and a float32 scale (model/kv_cache.py)."""
+    head rows of head_dim values and a float32 scale; 2, halves of a float32 model's values
+    (model/kv_cache.py)."""
     if cache.dtype == torch.int8:
         assert cache.shape[-1] == head_dim + 4
         return 1
-    assert cache.dtype == dtype and cache.shape[-1] == head_dim
+    assert cache.shape[-1] == head_dim
+    if cache.dtype == torch.float16:
+        assert dtype == torch.float32
+        return 2
+    assert cache.dtype == dtype
     return 0
 
 
@@ -55,8 +60,8 @@ class DecodeKernel:
                  out: torch.Tensor, *, scale: float | None = None, window: int | None = None,
                  softcap: float | None = None) -> None:
         """q, out: [n, H, D] (rows may be strided, heads packed); caches: [blocks, block_size,
-        KVH, D] of the dtype or int8 head rows (``kv_type``), contiguous; block_tables: [n, W]
-        int32; context_lens: [n] int32. scale: the scores' (default head_dim^-0.5); window: the
+        KVH, D] of the dtype, float16 or int8 head rows (``kv_type``), contiguous; block_tables:
+        [n, W] int32; context_lens: [n] int32. scale: the scores' (default head_dim^-0.5); window: the
         tokens a query attends to at most (its own and the window - 1 before it); softcap:
         scores become softcap * tanh(s / softcap)."""
         n, num_heads, dim = q.shape
@@ -175,8 +180,8 @@ class RopeKVWrite:
     def __call__(self, qk: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                  slots: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
         """qk: [T, H + KVH, D], v: [T, KVH, D] (rows may be strided, heads packed); cos/sin:
-        [T, 1, D]; slots: [T] int64; caches: [blocks, block_size, KVH, D] of the dtype or int8
-        head rows (``kv_type``)."""
+        [T, 1, D]; slots: [T] int64; caches: [blocks, block_size, KVH, D] of the dtype, float16
+        or int8 head rows (``kv_type``)."""
         tokens, num_qk, dim = qk.shape
         kv_heads = v.shape[1]
         assert qk.dtype == v.dtype == cos.dtype == sin.dtype == self.dtype

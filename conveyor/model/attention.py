@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from conveyor.kernels.bindings import DecodeKernel, RopeKVWrite
 from conveyor.model.flex_attention import FlexPages
-from conveyor.model.kv_cache import quantize, readable
+from conveyor.model.kv_cache import as_cached, readable, stored
 
 
 @dataclass
@@ -124,8 +124,9 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     for chunk in meta.prefills:
         qp = q[chunk.start:chunk.end].transpose(0, 1).unsqueeze(0)   # [1, H, n, D]
         first = chunk.keys_from(scores.window)  # (the keys before it are outside every window)
-        if chunk.block_ids is None:
-            kp, vp = k[chunk.start + first:chunk.end], v[chunk.start + first:chunk.end]
+        if chunk.block_ids is None:  # (as the cache holds them, as a later chunk reads them)
+            kp = as_cached(k[chunk.start + first:chunk.end], k_cache.dtype)
+            vp = as_cached(v[chunk.start + first:chunk.end], v_cache.dtype)
         else:
             kp = readable(gather_pages(k_cache, chunk.block_ids)[first:chunk.context_len],
                           q.dtype)
@@ -159,11 +160,10 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
-    """Each token's K/V into its cache row, quantized for an int8 cache (the CPU kernels fuse
-    this with rope)."""
+    """Each token's K/V into its cache row, quantized for an int8 cache, rounded for a float16
+    one (the CPU kernels fuse this with rope)."""
     kv_heads, width = k_cache.shape[2:]
-    if k_cache.dtype == torch.int8:
-        k, v = quantize(k), quantize(v)
+    k, v = stored(k, k_cache.dtype), stored(v, v_cache.dtype)
     k_cache.view(-1, kv_heads, width).index_copy_(0, slot_mapping, k)
     v_cache.view(-1, kv_heads, width).index_copy_(0, slot_mapping, v)
 

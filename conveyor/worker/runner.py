@@ -91,10 +91,10 @@ class ModelRunner:
                 raise ValueError(f"{name} needs the CPU kernels, which do not run here: "
                                  f"{describe(device, dtype, config.head_dim, kernels)}")
         self.flex = attention == "FLEX_ATTENTION"
-        if self.flex and (kv_dtype == torch.int8 or batch_invariant):
+        if self.flex and (kv_dtype not in (None, dtype) or batch_invariant):
             raise ValueError("the FLEX_ATTENTION backend reads the cache in the model dtype and "
-                             "sums in its own order: kv_cache_dtype int8 and batch_invariant "
-                             "need TORCH_SDPA")
+                             "sums in its own order: kv_cache_dtype int8 (or float16 of a "
+                             "float32 model) and batch_invariant need TORCH_SDPA")
         if graph_rows and not self.flex:
             raise ValueError("decode graphs need FLEX_ATTENTION (its metadata is made on the "
                              "device, in the graph)")

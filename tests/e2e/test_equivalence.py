@@ -240,16 +240,18 @@ def test_k_quant_gguf_matches_transformers(k_quant_gguf, on_path, path, policy):
 
 
 def test_k_quant_gguf_default_numerics_part_from_transformers_late(k_quant_gguf):
-    """The default activations (auto: int8 on the K-quants, llama.cpp's Q8_K numerics, at the
-    avx2 and avx512 tiers; float elsewhere) against transformers' float32 greedy tokens: held
-    to llama.cpp's accuracy (docs/results/activation-quant), not to exactness. Per prompt, the
+    """The default numerics (activations auto: int8 on the K-quants, llama.cpp's Q8_K numerics,
+    at the avx2 and avx512 tiers, float elsewhere; the KV cache auto: float16 of a float32 model
+    where the kernels read it) against transformers' float32 greedy tokens: held to llama.cpp's
+    accuracy (docs/results/activation-quant), not to exactness. Per prompt, the
     greedy tokens before the first that differs: printed, and their sum asserted at its
     measured value (AUTO_STEPS) with a margin for summation orders; where auto is float, every
     prompt identical or parted at a tie."""
     from conveyor.kernels.library import AUTO_INT8_TIERS
 
     prompts, refs = reference("tiny-gguf", k_quant_gguf)
-    outputs = run_conveyor(k_quant_gguf, prompts, "continuous", activation_quant="auto")
+    outputs = run_conveyor(k_quant_gguf, prompts, "continuous", activation_quant="auto",
+                           kv_cache_dtype="auto")
     agreed = [next((i for i, (a, b) in enumerate(zip(o.outputs[0].token_ids, ref[0])) if a != b),
                    len(ref[0])) for o, ref in zip(outputs, refs)]
     print("greedy tokens before the first difference:", agreed)

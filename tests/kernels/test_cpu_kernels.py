@@ -18,10 +18,11 @@ from conveyor.kernels import isa
 from conveyor.kernels.activations import fake_quantize, kernel_mode
 from conveyor.kernels.bindings import GLU_KERNELS, IntQuantLinear, QuantLinear
 from conveyor.kernels.blocks import QuantizedWeight
-from conveyor.kernels.library import AUTO_INT8_TIERS, BF16_HEAD_DIMS, cpu_kernels, kernels_at
+from conveyor.kernels.library import (AUTO_INT8_TIERS, BF16_HEAD_DIMS, cpu_kernels, kernels_at,
+                                      reads_half_caches)
 from conveyor.model.attention import gather_pages, write_kv
 from conveyor.model.config import ModelConfig
-from conveyor.model.kv_cache import dequantize, quantize
+from conveyor.model.kv_cache import dequantize, readable, stored
 from conveyor.model.model import Linear, RMSNorm
 from conveyor.model.rope import apply_rope, rope_tables
 
@@ -150,20 +151,24 @@ def test_decode_attention_window_scale_and_softcap(tier, dtype, window):
 @pytest.mark.parametrize("tier,dtype", CASES)
 @pytest.mark.parametrize("heads,kv_heads,dim,block_size", [
     (9, 3, 64, 16), (32, 8, 128, 16), (4, 4, 64, 8), (4, 1, 256, 16), (4, 2, 16, 16)])
-def test_decode_attention_reads_int8_caches(tier, dtype, heads, kv_heads, dim, block_size):
-    """An int8 cache (--kv-cache-dtype int8) read in place: the same attention as over its
-    values widened (each head row's scale applied), alone and in a batch, windowed and capped;
-    heads of very different sizes, so that a scale dropped or taken from the wrong head or
-    token fails."""
+@pytest.mark.parametrize("storage", [torch.int8, torch.float16])
+def test_decode_attention_reads_narrow_caches(tier, dtype, heads, kv_heads, dim, block_size,
+                                              storage):
+    """An int8 cache (--kv-cache-dtype int8) or a float32 model's float16 one read in place: the
+    same attention as over its values widened (an int8 head row's scale applied), alone and in
+    a batch, windowed and capped; heads of very different sizes, so that a scale dropped or
+    taken from the wrong head or token, or a half read at the wrong width, fails."""
     if dtype == BF16 and dim not in BF16_HEAD_DIMS:
         pytest.skip(f"the bfloat16 kernel is specialised for head_dim {BF16_HEAD_DIMS}")
+    if dtype == BF16 and storage == torch.float16:
+        pytest.skip("a float16 cache is a float32 model's")
     kernel = built(tier, dtype, dim).decode_attention
     gen = torch.Generator().manual_seed(dim + heads + block_size)
     num_blocks = 48
     sizes = torch.exp(torch.randn(num_blocks, block_size, kv_heads, 1, generator=gen))
-    k8, v8 = (quantize(torch.randn(num_blocks, block_size, kv_heads, dim, generator=gen) * sizes)
-              for _ in range(2))
-    k, v = dequantize(k8, F32), dequantize(v8, F32)
+    k8, v8 = (stored(torch.randn(num_blocks, block_size, kv_heads, dim, generator=gen) * sizes,
+                     storage) for _ in range(2))
+    k, v = readable(k8, F32), readable(v8, F32)
     lens = torch.tensor([1, block_size + 1, 3 * block_size - 5, 5 * block_size + 7, 2],
                         dtype=torch.int32)
     width = int((lens.max() + block_size - 1) // block_size)
@@ -260,10 +265,36 @@ def test_kernels_only_where_they_apply(monkeypatch):
     assert cpu_kernels(cpu, F32, 64) is None and cpu_kernels(cpu, BF16, 64) is None
 
 
+@pytest.mark.parametrize("tier", RUNNABLE)
+def test_a_float32_models_cache_is_float16_where_the_kernels_read_it(monkeypatch, tier):
+    """--kv-cache-dtype auto's choice: halves where the tier has F16C (above generic) and the
+    kernels run, for a float32 model on the CPU only."""
+    cpu = torch.device("cpu")
+    monkeypatch.setenv(isa.ENV, tier)
+    isa.current.cache_clear()
+    try:
+        assert reads_half_caches(cpu, F32, 64) == (tier != "generic")
+        assert not reads_half_caches(cpu, BF16, 64)
+        assert not reads_half_caches(torch.device("meta"), F32, 64)
+        assert not reads_half_caches(cpu, F32, 12)  # (no kernel takes that head size)
+        monkeypatch.setenv("CONVEYOR_CPU_KERNELS", "off")
+        assert not reads_half_caches(cpu, F32, 64)
+    finally:
+        monkeypatch.undo()
+        isa.current.cache_clear()
+
+
 @pytest.mark.parametrize("tier,dtype", CASES)
 @pytest.mark.parametrize("heads,kv_heads,dim,tokens", [(9, 3, 64, 1), (9, 3, 64, 37),
                                                       (32, 8, 128, 5)])
-def test_rope_kv_write_matches_apply_rope_and_write_kv(tier, dtype, heads, kv_heads, dim, tokens):
+@pytest.mark.parametrize("half", [False, True], ids=["model-dtype", "float16-cache"])
+def test_rope_kv_write_matches_apply_rope_and_write_kv(tier, dtype, heads, kv_heads, dim, tokens,
+                                                       half):
+    """The kernel's rotation and cache rows equal apply_rope's and write_kv's bit for bit, into
+    caches of the model dtype or (a float32 model's) float16 ones: rounded to nearest even, a
+    value past float16's range to infinity, tiny ones to its subnormals."""
+    if half and dtype == BF16:
+        pytest.skip("a float16 cache is a float32 model's")
     kernels = built(tier, dtype, dim)
     config = ModelConfig(architecture="llama", vocab_size=8, hidden_size=heads * dim,
                          intermediate_size=8, num_layers=1, num_heads=heads,
@@ -277,8 +308,11 @@ def test_rope_kv_write_matches_apply_rope_and_write_kv(tier, dtype, heads, kv_he
     cos, sin = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
     # q, k, v as the model has them: views of one fused projection's output
     qkv = (torch.randn(tokens, heads + 2 * kv_heads, dim, generator=gen) * 4).to(dtype)
+    if half:  # (v's: rope leaves them as they are)
+        qkv[0, heads + kv_heads, :4] = torch.tensor([1e5, -3e-6, 7e-8, 1.00048828125])
     slots = torch.randperm(8 * 16, generator=gen)[:tokens]
-    caches = [torch.zeros(8, 16, kv_heads, dim, dtype=dtype) for _ in range(4)]
+    caches = [torch.zeros(8, 16, kv_heads, dim, dtype=torch.float16 if half else dtype)
+              for _ in range(4)]
 
     qk_ref = apply_rope(qkv[:, :heads + kv_heads], cos, sin)
     write_kv(qk_ref[:, heads:], qkv[:, heads + kv_heads:], caches[0], caches[1], slots)
@@ -574,7 +608,10 @@ def test_decode_stack_matches_the_layers(monkeypatch, request, native_dtype, net
             # a step's worth of one quantization step, rarely
             rounded_apart.append((diff.max() / scale).item())
             continue
-        assert diff.max() <= scale * (2 ** -6 if native_dtype == BF16 else 1e-5)
+        # (float32: the dense network's two paths agree bit for bit; the mixture's part by a
+        # few float32 steps of the scale, more on a prompt step's many rows)
+        assert diff.max() <= scale * (2 ** -6 if native_dtype == BF16 else
+                                      1e-5 if network == "dense" else 4e-5)
         differing.append((diff > 0).float().mean().item())
     assert len(rounded_apart) <= 2 and all(r <= 2 ** -4 for r in rounded_apart), rounded_apart
     if native_dtype == BF16:

@@ -124,14 +124,26 @@ static inline void elem_store(void *p, int64_t i, float v, int bf16) {
 static inline float round_to(float v, int bf16) { return bf16 ? bf16_load(bf16_store(v)) : v; }
 
 /* The KV cache's storage (kv_type): KV_MODEL, the model dtype; KV_INT8, each token's head a row
- * of head_dim int8 values and then its float32 scale (value = scale * int), as
+ * of head_dim int8 values and then its float32 scale (value = scale * int); KV_F16, IEEE halves
+ * of a float32 model's values (rounded to nearest even, as torch's .to(float16)); as
  * model/kv_cache.py writes and reads them. */
-enum { KV_MODEL = 0, KV_INT8 = 1 };
+enum { KV_MODEL = 0, KV_INT8 = 1, KV_F16 = 2 };
 #define KV_SCALE_BYTES 4
 
 /* Bytes of one token's head in a cache. */
 static inline int64_t kv_head_bytes(int dim, int kv_type, int bf16) {
-    return kv_type == KV_INT8 ? dim + KV_SCALE_BYTES : (int64_t)dim * (bf16 ? 2 : 4);
+    return kv_type == KV_INT8 ? dim + KV_SCALE_BYTES
+                              : (int64_t)dim * (kv_type == KV_F16 || bf16 ? 2 : 4);
+}
+
+/* A float32 value as an IEEE half, rounded to nearest even (overflow: infinity). */
+static inline uint16_t half_store(float v) {
+#if defined(__F16C__)
+    return _cvtss_sh(v, _MM_FROUND_TO_NEAREST_INT);
+#else
+    union { _Float16 h; uint16_t bits; } u = {(_Float16)v};
+    return u.bits;
+#endif
 }
 
 /* The scale of an int8 head row (at its end: memcpy, as it need not be aligned). */

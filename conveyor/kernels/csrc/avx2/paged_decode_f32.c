@@ -14,7 +14,8 @@
  * the time of an item a KV head). head_dim: any multiple of 8 up to 256.
  *
  * An int8 cache (common.h's KV_INT8) is read as it lies: 8 values widened to float32 a load,
- * a token's K scale applied to its score and its V scale to its softmax weight.
+ * a token's K scale applied to its score and its V scale to its softmax weight. A float16 one
+ * (KV_F16): 8 halves widened a load (F16C), exactly.
  */
 #include <float.h>
 #include <immintrin.h>
@@ -42,10 +43,12 @@ static inline void prefetch_row(const char *r, int lines) {
     for (int i = 0; i < lines; i++) _mm_prefetch((const char *)r + 64 * i, _MM_HINT_T0);
 }
 
-/* 8 values of a cached head row from p on, as float32 (int8 rows: q8). */
-static ALWAYS_INLINE __m256 load8(const char *p, int q8) {
-    return q8 ? _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)))
-              : _mm256_loadu_ps((const float *)p);
+/* 8 values of a cached head row of `kind` (common.h's kv_type) from p on, as float32. */
+static ALWAYS_INLINE __m256 load8(const char *p, int kind) {
+    return kind == KV_INT8
+               ? _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)))
+           : kind == KV_F16 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p))
+                            : _mm256_loadu_ps((const float *)p);
 }
 
 /* One request and `heads` consecutive KV heads (the caches offset to the first; their slices of
@@ -53,13 +56,15 @@ static ALWAYS_INLINE __m256 load8(const char *p, int q8) {
  * heads at q: scores against every cached token, softmax, weighted sum of values into out.
  * at: each token's row offset in either cache (bytes; see paged_decode_attention_f32);
  * scores: [heads * group][len rounded up to TILE] of scratch; zero: a row of zeros past len.
- * q8: int8 head rows of `dim` + KV_SCALE_BYTES bytes (else float32 ones). */
+ * kind: the rows' storage (common.h's kv_type: int8 head rows of `dim` + KV_SCALE_BYTES bytes,
+ * halves, or float32). */
 static ALWAYS_INLINE void attend(const float *q, const char *k_cache, const char *v_cache,
                                   const int64_t *at, int len, int skip, float *out, int heads,
                                   int group, const int dim, float scale, float cap,
-                                  const char *zero, float *scores, const int q8) {
+                                  const char *zero, float *scores, const int kind) {
     const int nv = dim / 8, nq = heads * group, padded = (len + TILE - 1) / TILE * TILE;
-    const int head = q8 ? dim + KV_SCALE_BYTES : 4 * dim, step = q8 ? 8 : 32;
+    const int q8 = kind == KV_INT8, head = kv_head_bytes(dim, kind, 0);
+    const int step = q8 ? 8 : kind == KV_F16 ? 16 : 32;  /* bytes of 8 values */
     const int lines = (heads * head + 63) / 64;  /* of a token's row of these heads */
     const __m256 vscale = _mm256_set1_ps(scale);
     /* pages lie anywhere in the pool: rows are asked for by hand AHEAD tiles before the
@@ -84,7 +89,7 @@ static ALWAYS_INLINE void attend(const float *q, const char *k_cache, const char
             for (int v = 0; v < nv; v++) {
                 const __m256 qv = _mm256_loadu_ps(qj + 8 * v);
                 for (int t = 0; t < TILE; t++)
-                    acc[t] = _mm256_fmadd_ps(qv, load8(k[t] + kd + step * v, q8), acc[t]);
+                    acc[t] = _mm256_fmadd_ps(qv, load8(k[t] + kd + step * v, kind), acc[t]);
             }
             __m256 sc = _mm256_mul_ps(sum8(acc), vscale);
             if (q8)  /* (a zero row's scale is 0) */
@@ -124,7 +129,7 @@ static ALWAYS_INLINE void attend(const float *q, const char *k_cache, const char
                     prefetch_row(v_cache + at[t + AHEAD * TILE], lines);
                 const __m256 p = _mm256_set1_ps(q8 ? s[t] * kv_scale(vh + at[t], dim) : s[t]);
                 for (int v = 0; v < nc; v++)
-                    acc[v] = _mm256_fmadd_ps(p, load8(vr + step * v, q8), acc[v]);
+                    acc[v] = _mm256_fmadd_ps(p, load8(vr + step * v, kind), acc[v]);
             }
             for (int v = 0; v < nc; v++)
                 _mm256_storeu_ps(out + j * dim + 8 * (v0 + v), _mm256_mul_ps(acc[v], inv));
@@ -133,10 +138,10 @@ static ALWAYS_INLINE void attend(const float *q, const char *k_cache, const char
 }
 
 /* q: row i, head j at q[i * q_stride + j * head_dim]; caches: [num_blocks, block_size,
- * num_kv_heads, head_dim] of float32, or of int8 head rows (kv_type, common.h); block_tables:
- * [n, table_stride] int32; context_lens: [n] int32 (tokens to attend to, the new one included,
- * its K/V already written); out like q; window: the tokens a query attends to at most (0: all),
- * cap: the scores' soft cap (0: none).
+ * num_kv_heads, head_dim] of float32, halves or int8 head rows (kv_type, common.h);
+ * block_tables: [n, table_stride] int32; context_lens: [n] int32 (tokens to attend to, the
+ * new one included, its K/V already written); out like q; window: the tokens a query attends
+ * to at most (0: all), cap: the scores' soft cap (0: none).
  * Returns 0; -1 for a head_dim it does not take; -2 if scratch memory could not be had. */
 int paged_decode_attention_f32(const float *q, int64_t q_stride, const void *k_cache,
                                const void *v_cache, int kv_type, const int32_t *block_tables,
@@ -188,20 +193,19 @@ int paged_decode_attention_f32(const float *q, int64_t q_stride, const void *k_c
             /* the common head sizes as constants, so the loops over a row unroll into
              * registers (a runtime size left the sums in memory:
              * docs/results/design-notes#head-dim-constants) */
-            if (kv_type == KV_INT8 && head_dim == 64)
-                attend(qi, ki, vi, at, len, skip, oi, per, group, 64, scale, cap, z, scores, 1);
-            else if (kv_type == KV_INT8 && head_dim == 128)
-                attend(qi, ki, vi, at, len, skip, oi, per, group, 128, scale, cap, z, scores, 1);
-            else if (kv_type == KV_INT8)
-                attend(qi, ki, vi, at, len, skip, oi, per, group, head_dim, scale, cap, z, scores,
-                       1);
-            else if (head_dim == 64)
-                attend(qi, ki, vi, at, len, skip, oi, per, group, 64, scale, cap, z, scores, 0);
-            else if (head_dim == 128)
-                attend(qi, ki, vi, at, len, skip, oi, per, group, 128, scale, cap, z, scores, 0);
+#define ATTEND(kind, dim) \
+    attend(qi, ki, vi, at, len, skip, oi, per, group, dim, scale, cap, z, scores, kind)
+#define BY_DIM(kind) \
+    (head_dim == 64 ? ATTEND(kind, 64) : head_dim == 128 ? ATTEND(kind, 128) \
+                                                         : ATTEND(kind, head_dim))
+            if (kv_type == KV_INT8)
+                BY_DIM(KV_INT8);
+            else if (kv_type == KV_F16)
+                BY_DIM(KV_F16);
             else
-                attend(qi, ki, vi, at, len, skip, oi, per, group, head_dim, scale, cap, z, scores,
-                       0);
+                BY_DIM(KV_MODEL);
+#undef BY_DIM
+#undef ATTEND
         }
         free(at);
     }

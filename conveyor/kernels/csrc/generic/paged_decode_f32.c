@@ -13,9 +13,11 @@
 
 #include "common.h"
 
-/* Element d of a cached head row, times its scale (int8 rows: see common.h). */
-static inline float kv_value(const char *head, int d, int q8) {
-    return q8 ? ((const int8_t *)head)[d] : ((const float *)head)[d];
+/* Element d of a cached head row of `kind` (common.h's kv_type), before an int8 row's scale. */
+static inline float kv_value(const char *head, int d, int kind) {
+    return kind == KV_INT8  ? ((const int8_t *)head)[d]
+           : kind == KV_F16 ? half_load((const uint8_t *)head + 2 * d)
+                            : ((const float *)head)[d];
 }
 
 /* One query head against its KV head's cached rows (the caches offset to that head; `row`
@@ -23,13 +25,14 @@ static inline float kv_value(const char *head, int d, int q8) {
 static ALWAYS_INLINE void attend(const float *q, const char *k_cache, const char *v_cache,
                                  const int32_t *table, int len, int skip, float *out, int dim,
                                  int64_t row, int block_size, float scale, float cap,
-                                 float *scores, int q8) {
+                                 float *scores, int kind) {
+    const int q8 = kind == KV_INT8;
     float top = -FLT_MAX, total = 0.0f;
     for (int t = skip; t < len; t++) {
         const char *k = k_cache + ((int64_t)table[t / block_size] * block_size
                                    + t % block_size) * row;
         float s = 0.0f;
-        for (int d = 0; d < dim; d++) s += q[d] * kv_value(k, d, q8);
+        for (int d = 0; d < dim; d++) s += q[d] * kv_value(k, d, kind);
         scores[t] = s * scale * (q8 ? kv_scale(k, dim) : 1.0f);
     }
     soft_cap(scores + skip, len - skip, cap);
@@ -41,16 +44,16 @@ static ALWAYS_INLINE void attend(const float *q, const char *k_cache, const char
                                    + t % block_size) * row;
         const float pv = q8 ? p * kv_scale(v, dim) : p;
         total += p;
-        for (int d = 0; d < dim; d++) out[d] += pv * kv_value(v, d, q8);
+        for (int d = 0; d < dim; d++) out[d] += pv * kv_value(v, d, kind);
     }
     for (int d = 0; d < dim; d++) out[d] /= total;
 }
 
 /* q: row i, head j at q[i * q_stride + j * head_dim]; caches: [num_blocks, block_size,
- * num_kv_heads, head_dim] of float32, or of int8 head rows (kv_type, common.h); block_tables:
- * [n, table_stride] int32; context_lens: [n] int32 (tokens to attend to, the new one included,
- * its K/V already written); out like q; window:
- * the tokens a query attends to at most (0: all), cap: the scores' soft cap (0: none).
+ * num_kv_heads, head_dim] of float32, halves or int8 head rows (kv_type, common.h);
+ * block_tables: [n, table_stride] int32; context_lens: [n] int32 (tokens to attend to, the
+ * new one included, its K/V already written); out like q; window: the tokens a query attends
+ * to at most (0: all), cap: the scores' soft cap (0: none).
  * Returns 0, or -2 if scratch memory could not be allocated. */
 int paged_decode_attention_f32(const float *q, int64_t q_stride, const void *k_cache,
                                const void *v_cache, int kv_type, const int32_t *block_tables,
@@ -82,10 +85,13 @@ int paged_decode_attention_f32(const float *q, int64_t q_stride, const void *k_c
             float *oj = out + i * out_stride + j * head_dim;
             if (kv_type == KV_INT8)
                 attend(qj, kj, vj, table, len, skip, oj, head_dim, row, block_size, scale, cap,
-                       scores, 1);
+                       scores, KV_INT8);
+            else if (kv_type == KV_F16)
+                attend(qj, kj, vj, table, len, skip, oj, head_dim, row, block_size, scale, cap,
+                       scores, KV_F16);
             else
                 attend(qj, kj, vj, table, len, skip, oj, head_dim, row, block_size, scale, cap,
-                       scores, 0);
+                       scores, KV_MODEL);
         }
         free(scores);
     }

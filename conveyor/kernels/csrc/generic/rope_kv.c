@@ -13,7 +13,7 @@
 /* qk: [tokens, heads + kv_heads, dim] (row stride qk_stride, heads packed), rotated in place;
  * v: [tokens, kv_heads, dim] (row stride v_stride); cos, sin: [tokens, dim] (row stride
  * cs_stride); slots: [tokens] rows of the caches, which are [rows, kv_heads, dim] of the model
- * dtype, or of int8 head rows (kv_type KV_INT8, common.h). */
+ * dtype, of int8 head rows (kv_type KV_INT8, common.h) or of halves (KV_F16). */
 static ALWAYS_INLINE void rope_kv_write(void *qk, int64_t qk_stride, const void *v,
                                         int64_t v_stride, const void *cos, const void *sin,
                                         int64_t cs_stride, const int64_t *slots, void *k_cache,
@@ -45,6 +45,12 @@ static ALWAYS_INLINE void rope_kv_write(void *qk, int64_t qk_stride, const void 
             for (int h = 0; h < kv_heads; h++) {
                 kv_quantize(qk, row + (heads + h) * dim, dim, bf16, k_row + h * head_bytes);
                 kv_quantize(v, t * v_stride + h * dim, dim, bf16, v_row + h * head_bytes);
+            }
+        } else if (kv_type == KV_F16) {
+            uint16_t *k_half = (uint16_t *)k_row, *v_half = (uint16_t *)v_row;
+            for (int e = 0; e < kv_heads * dim; e++) {
+                k_half[e] = half_store(elem_load(qk, row + heads * dim + e, bf16));
+                v_half[e] = half_store(elem_load(v, t * v_stride + e, bf16));
             }
         } else {
             memcpy(k_row, (const char *)qk + elem * (row + heads * dim), kv_row);
