@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
 import os
 import sys
 import time
 
 from conveyor.bench.cli import add_bench_parser
 from conveyor.config import EngineConfig
+from conveyor.logs import configure_logging, show_progress
 from conveyor.server.config import ServerConfig
 from conveyor.settings import DefaultsHelp, add_arguments, from_namespace
 
@@ -26,6 +28,8 @@ def _torchrun_worker(args: argparse.Namespace) -> bool:
 
 
 def _generate(args: argparse.Namespace) -> None:
+    show_progress()
+    _starting(args)
     from conveyor.llm import LLM
     from conveyor.sampling_params import SamplingParams
 
@@ -143,7 +147,16 @@ def _without_vllm_only_flags(argv: list[str]) -> list[str]:
     return kept
 
 
+def _starting(args: argparse.Namespace) -> None:
+    """The first line at once: PyTorch, the server and the model take seconds to load, and a
+    first start compiles the kernels too."""
+    logging.getLogger("conveyor").info("starting: loading PyTorch, then %s",
+                                       args.model or "the default model")
+
+
 def _serve(args: argparse.Namespace) -> None:
+    configure_logging()
+    _starting(args)
     from conveyor.server.launch import run_server  # uvicorn and FastAPI load only when serving
 
     run_server(from_namespace(EngineConfig, args), from_namespace(ServerConfig, args))

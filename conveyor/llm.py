@@ -9,6 +9,7 @@ from tqdm import tqdm
 from conveyor.config import EngineConfig
 from conveyor.engine.engine import LLMEngine
 from conveyor.engine.input_processor import Prompt
+from conveyor.logs import show_progress
 from conveyor.outputs import EmbeddingRequestOutput, RequestOutput
 from conveyor.sampling_params import PoolingParams, SamplingParams
 
@@ -19,6 +20,7 @@ class LLM:
     def __init__(self, model: str | None = None, **settings: Any) -> None:
         """``settings``: ``EngineConfig``'s fields (its flags, in Python's spelling)."""
         config = EngineConfig(model=model, **settings)
+        show_progress()
         if config.data_parallel_size != 1:
             raise ValueError("data-parallel replicas run behind the server: "
                              "conveyor serve --data-parallel-size N")

@@ -11,7 +11,7 @@ import conveyor
 ROOT = Path(conveyor.__file__).parent
 # Lowest first; a package may import its own modules and those of lower layers only.
 LAYERS = [
-    {"outputs", "sampling_params", "settings", "process"},
+    {"outputs", "sampling_params", "settings", "process", "logs"},
     {"core"},
     {"kernels"},
     {"config"},

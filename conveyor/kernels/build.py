@@ -10,13 +10,19 @@ here, and its flags in ``isa.py``; no caller changes.
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import shutil
 import subprocess
 import tempfile
+import time
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from pathlib import Path
 
 from conveyor.kernels import isa
+
+logger = logging.getLogger("conveyor")
+PROGRESS_SECONDS = 10  # a line this often while the compiler runs (a first start is silent else)
 
 SOURCES = Path(__file__).with_name("csrc")
 # The folders a tier's library draws on, lowest first (AMX is the avx512 sources with the
@@ -76,15 +82,36 @@ def build(tier: str, choice: isa.IsaChoice, cc: str) -> Path:
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
+    started = time.monotonic()
+    logger.info("compiling the CPU kernels for the %s tier, once for this CPU and compiler "
+                "(%d sources on %d cores; cached in %s)", tier, len(sources), _jobs(),
+                target.parent)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        objects = []
-        for i, src in enumerate(sources):
-            obj = str(Path(tmp) / f"{i}-{src.stem}.o")
-            subprocess.run([cc, *flags, f"-I{SOURCES}", "-c", str(src), "-o", obj],
-                           capture_output=True, text=True, check=True)
-            objects.append(obj)
+        objects = [str(Path(tmp) / f"{i}-{src.stem}.o") for i, src in enumerate(sources)]
+        with ThreadPoolExecutor(_jobs()) as pool:
+            running = [pool.submit(subprocess.run, [cc, *flags, f"-I{SOURCES}", "-c", str(src),
+                                                    "-o", obj],
+                                   capture_output=True, text=True, check=True)
+                       for src, obj in zip(sources, objects)]
+            pending = set(running)
+            while pending:
+                done, pending = wait(pending, PROGRESS_SECONDS, FIRST_EXCEPTION)
+                for job in done:
+                    job.result()  # (raises the compiler's error)
+                if pending:
+                    logger.info("compiling the CPU kernels: %d of %d sources done, %.0f s",
+                                len(sources) - len(pending), len(sources),
+                                time.monotonic() - started)
         lib = Path(tmp) / "kernels.so"
         subprocess.run([cc, *LINK_FLAGS, *objects, "-o", str(lib), "-lm"],
                        capture_output=True, text=True, check=True)
         os.replace(lib, target)  # atomic: a concurrent build of the same key is harmless
+    logger.info("compiled the CPU kernels for the %s tier in %.1f s", tier,
+                time.monotonic() - started)
     return target
+
+
+def _jobs() -> int:
+    """Compilers run at once: this process's cores."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (
+        os.cpu_count() or 1)

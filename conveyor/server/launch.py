@@ -15,6 +15,7 @@ import uvicorn
 
 from conveyor.config import EngineConfig
 from conveyor.engine.engine import LLMEngine
+from conveyor.logs import configure_logging
 from conveyor.server.access import DEFAULT_MAX_BODY_BYTES, is_loopback, with_cors
 from conveyor.server.app import build_app
 from conveyor.server.config import API_KEY_ENV, ServerConfig
@@ -67,8 +68,7 @@ def run_server(config: EngineConfig, settings: ServerConfig) -> None:
         from conveyor.server.data_parallel.front import run_front
 
         return run_front(config, settings)
-    logging.basicConfig(level=logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging()
     api_key = settings.resolved_api_key()
     dashboard_open = settings.dashboard_public or is_loopback(settings.host)
     server: uvicorn.Server | None = None

@@ -3,12 +3,12 @@ stop (``tensor_parallel`` has the group and its collectives)."""
 
 from __future__ import annotations
 
-import logging
 import os
 
 import torch
 
 from conveyor.config import EngineConfig
+from conveyor.logs import configure_logging
 from conveyor.model.hub import resolve_model
 from conveyor.model.loader import load_model
 from conveyor.worker.runner import ModelRunner
@@ -19,8 +19,7 @@ def run_worker(config: EngineConfig, rank: int | None = None, init_method: str |
                threads: int | None = None) -> None:
     """A rank above 0: its shard of the model, then every step's plan until told to stop.
     Without arguments, the rank and group come from torchrun's environment."""
-    logging.basicConfig(level=logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging()
     device = config.torch_device()
     if rank is None:
         rank = int(os.environ["RANK"])

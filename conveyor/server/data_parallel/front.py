@@ -35,6 +35,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from starlette.background import BackgroundTask
 
 from conveyor.config import EngineConfig
+from conveyor.logs import configure_logging
 from conveyor.model.hub import resolve_model
 from conveyor.model.loader import default_model_path, load_tokenizer
 from conveyor.process import ConveyorServer
@@ -353,8 +354,7 @@ def build_front(replicas: list[Replica], router: Router, tokenizer,
 
 
 def run_front(engine: EngineConfig, settings: ServerConfig) -> None:
-    logging.basicConfig(level=logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging()
     logging.getLogger("httpx").setLevel(logging.WARNING)  # (a line per proxied request)
     if launched_by_torchrun():
         raise ValueError("--data-parallel-size starts its replicas itself: run it without "
