@@ -18,6 +18,7 @@ from conveyor.server.protocol import (
     ChatCompletionChunk,
     ChatCompletionRequest,
     ChatCompletionResponse,
+    ChatPromptFields,
     ChatLogprobs,
     DeltaMessage,
     TokenLogprob,
@@ -54,11 +55,9 @@ def _logprobs(sample: CompletionOutput, tokens: slice, top: int) -> ChatLogprobs
     return ChatLogprobs(content=content)
 
 
-async def create_chat_completion(body: ChatCompletionRequest, raw: Request,
-                                 state: ServerState) -> Response | ChatCompletionResponse:
-    state.check_model(body.model)
-    if body.top_logprobs is not None and not body.logprobs:
-        raise bad_request("top_logprobs needs logprobs to be true", "top_logprobs")
+def chat_prompt(body: ChatPromptFields, state: ServerState) -> tuple[list[int], str | None]:
+    """The prompt's ids (the messages, tool calls and results, and the tools, through the chat
+    template) and the tool mode: the chat route's, and /tokenize's count of it."""
     try:
         check_tool_schemas(body)
     except ValueError as e:
@@ -74,6 +73,15 @@ async def create_chat_completion(body: ChatCompletionRequest, raw: Request,
                                                       body.continue_final_message)
     except ValueError as e:
         raise bad_request(str(e), getattr(e, "param", None) or "messages") from e
+    return ids, mode
+
+
+async def create_chat_completion(body: ChatCompletionRequest, raw: Request,
+                                 state: ServerState) -> Response | ChatCompletionResponse:
+    state.check_model(body.model)
+    if body.top_logprobs is not None and not body.logprobs:
+        raise bad_request("top_logprobs needs logprobs to be true", "top_logprobs")
+    ids, mode = chat_prompt(body, state)
     max_tokens = body.max_completion_tokens or body.max_tokens
     limit_param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
     if max_tokens is None:  # as much as the context leaves, as vLLM does

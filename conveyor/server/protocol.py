@@ -355,21 +355,26 @@ class NamedToolChoice(BaseModel):
     function: FunctionName
 
 
-class ChatCompletionRequest(SamplingFields):
+class ChatPromptFields(BaseModel):
+    """What a chat's prompt is made of: the chat route and /tokenize build it alike."""
+
     messages: list[ChatMessage] = Field(max_length=MAX_MESSAGES)
     tools: list[ChatTool] | None = Field(None, max_length=256)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    parallel_tool_calls: bool = True
-    max_tokens: int | None = Field(None, ge=1, description="deprecated by OpenAI; still honoured")
-    max_completion_tokens: int | None = Field(None, ge=1)
-    logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, description="at most --max-logprobs (20)")
     add_generation_prompt: bool = True
     continue_final_message: bool = Field(False, description=
                                          "vLLM's: continue the last message's text (with "
                                          "add_generation_prompt false)")
     # keywords for the chat template (e.g. {"enable_thinking": false}), as vLLM takes them
     chat_template_kwargs: dict[str, Any] | None = None
+
+
+class ChatCompletionRequest(SamplingFields, ChatPromptFields):
+    parallel_tool_calls: bool = True
+    max_tokens: int | None = Field(None, ge=1, description="deprecated by OpenAI; still honoured")
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, description="at most --max-logprobs (20)")
 
 
 class TopLogprob(BaseModel):

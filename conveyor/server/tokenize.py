@@ -7,20 +7,20 @@ from fastapi import APIRouter
 from pydantic import BaseModel, Field, model_validator
 
 from conveyor.server.errors import bad_request
-from conveyor.server.protocol import MAX_MESSAGES, ChatMessage
+from conveyor.server.chat import chat_prompt
+from conveyor.server.protocol import MAX_MESSAGES, ChatMessage, ChatPromptFields
 from conveyor.server.state import ServerState
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(ChatPromptFields):
     """Either ``prompt`` (with the tokenizer's special tokens unless ``add_special_tokens`` is
-    false) or ``messages`` (through the chat template, as a chat completion's prompt)."""
+    false) or ``messages``, with the tools and the template's settings: a chat completion's
+    prompt for the same body (vLLM's tokenize request takes these too)."""
 
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = Field(None, min_length=1, max_length=MAX_MESSAGES)
     add_special_tokens: bool | None = None
-    add_generation_prompt: bool = True
-    chat_template_kwargs: dict | None = None
     return_token_strs: bool = False
 
     @model_validator(mode="after")
@@ -52,17 +52,12 @@ def tokenize_router(state: ServerState) -> APIRouter:
     @router.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
         state.check_model(body.model)
-        inputs, tokenizer = state.engine.inputs, state.engine.tokenizer
+        tokenizer = state.engine.tokenizer
         if body.prompt is not None:
             ids = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens
                                    is not False)
         else:
-            messages = [{"role": m.role, "content": m.text} for m in body.messages]
-            try:
-                ids = inputs.apply_chat_template(messages, body.add_generation_prompt, None,
-                                                 body.chat_template_kwargs)
-            except ValueError as e:
-                raise bad_request(str(e), "messages") from e
+            ids, _ = chat_prompt(body, state)
         return TokenizeResponse(
             count=len(ids), max_model_len=state.engine.max_model_len, tokens=ids,
             token_strs=tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None)

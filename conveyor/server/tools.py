@@ -21,7 +21,7 @@ from jsonschema.exceptions import SchemaError
 from jsonschema.validators import validator_for
 
 from conveyor.outputs import CompletionOutput
-from conveyor.server.protocol import (ChatCompletionRequest, DeltaFunctionCall,
+from conveyor.server.protocol import (ChatPromptFields, DeltaFunctionCall,
                                       DeltaMessage, DeltaToolCall, FunctionCall, ToolCall)
 from conveyor.server.streaming import TextDeltas
 from conveyor.server.tool_calls import CALL_CLOSE, CALL_OPEN, WHITESPACE, CallReader, call_id
@@ -35,7 +35,7 @@ _SYSTEM = (
     '<tool_call>\n{{"name": <function-name>, "arguments": <args-json-object>}}\n</tool_call>')
 
 
-def check_tool_schemas(body: ChatCompletionRequest) -> None:
+def check_tool_schemas(body: ChatPromptFields) -> None:
     """ValueError naming the first tool whose parameters are no JSON schema (whatever the
     tool_choice: OpenAI refuses them even where no call is forced)."""
     for i, tool in enumerate(body.tools or []):
@@ -49,7 +49,7 @@ def check_tool_schemas(body: ChatCompletionRequest) -> None:
                              f"valid JSON schema: {e.message}") from None
 
 
-def tool_mode(body: ChatCompletionRequest) -> str | None:
+def tool_mode(body: ChatPromptFields) -> str | None:
     """None (no tools), "none", "auto", "required" or the name of the function to call."""
     if not body.tools:
         if body.tool_choice not in (None, "none"):
@@ -71,7 +71,7 @@ def _call_text(call: ToolCall) -> str:
                       ensure_ascii=False)
 
 
-def template_messages(body: ChatCompletionRequest, mode: str | None, template: str
+def template_messages(body: ChatPromptFields, mode: str | None, template: str
                       ) -> tuple[list[dict], list[dict] | None]:
     """The messages as the chat template takes them, and the tools to pass it (None where the
     template does not take tools: they are then described in the system message)."""

@@ -481,3 +481,52 @@ def test_a_tool_whose_parameters_are_no_json_schema_is_a_400_naming_tools(client
         chat(client, model, ASK_PARIS, tools=[TIME, broken], max_tokens=5, **kw)
     error = e.value.body
     assert error["param"] == "tools" and "tools[1] ('get_weather')" in error["message"]
+
+
+CALL = {"id": "call_1", "type": "function",
+        "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+
+
+@st.composite
+def chat_bodies(draw) -> dict:
+    """Conversations with and without tools: a system or developer message, a user's question,
+    an assistant's tool call (with or without text) and its result, a user's follow-up."""
+    messages = []
+    if draw(st.booleans()):
+        messages.append({"role": draw(st.sampled_from(["system", "developer"])),
+                         "content": "Be brief."})
+    messages.append(ASK_PARIS[0])
+    if draw(st.booleans()):
+        messages += [{"role": "assistant", "content": draw(st.sampled_from([None, "Checking."])),
+                      "tool_calls": [CALL]},
+                     {"role": "tool", "tool_call_id": "call_1", "content": "18 C, sunny"}]
+    if draw(st.booleans()):
+        messages.append({"role": "user", "content": "And tomorrow?"})
+    body = {"messages": messages, "add_generation_prompt": draw(st.booleans())}
+    tools = draw(st.sampled_from([None, [WEATHER], [WEATHER, TIME]]))
+    if tools:
+        body["tools"] = tools
+        choice = draw(st.sampled_from([None, "none", "auto", "required",
+                                       {"type": "function", "function": {"name": "get_weather"}}]))
+        if choice is not None:
+            body["tool_choice"] = choice
+    return body
+
+
+@settings(max_examples=12, deadline=None)
+@given(body=chat_bodies())
+def test_tokenize_counts_the_prompt_the_chat_route_builds(server, model, body):
+    """/tokenize with messages (tools, tool calls and results, tool_choice, the generation
+    prompt or not) counts what a chat completion of the same body reports as its prompt."""
+    import httpx
+
+    counted = httpx.post(f"{server.base_url}/tokenize", json={"model": model, **body})
+    assert counted.status_code == 200, counted.text
+    answer = httpx.post(f"{server.base_url}/v1/chat/completions",
+                        json={"model": model, **body, "max_tokens": 1}, timeout=60)
+    assert answer.status_code == 200, answer.text
+    assert counted.json()["count"] == answer.json()["usage"]["prompt_tokens"]
+    if "tools" in body and body.get("tool_choice") != "none":  # the tools are in the prompt
+        bare = {k: v for k, v in body.items() if k not in ("tools", "tool_choice")}
+        fewer = httpx.post(f"{server.base_url}/tokenize", json={"model": model, **bare})
+        assert fewer.json()["count"] < counted.json()["count"]
