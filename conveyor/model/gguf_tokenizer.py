@@ -170,8 +170,13 @@ def _sentencepiece_bpe(reader: GGUFFile, tokens: list[str], types: list[int]
                                      fuse_unk=True, unk_token=None if unk is None
                                      else pieces[unk]))
     prefix = reader.value("tokenizer.ggml.add_space_prefix", True)
-    tokenizer.pre_tokenizer = pre.Metaspace(replacement="▁", split=False,
-                                            prepend_scheme="first" if prefix else "never")
+    # Spaces as ▁, and where add_space_prefix a ▁ before each run of text: at the start and
+    # after each special or user-defined token, as llama.cpp's SentencePiece tokenizer adds its
+    # space prefix (and SentencePiece itself, to a text whole). Not the Metaspace pre-tokenizer:
+    # it adds none to a text that begins with a space, nor after a special token.
+    spaces = normalizers.Replace(" ", "▁")
+    tokenizer.normalizer = (normalizers.Sequence([normalizers.Prepend("▁"), spaces]) if prefix
+                            else spaces)
     steps = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
     tokenizer.decoder = decoders.Sequence(steps + [decoders.Strip(" ", 1, 0)] * prefix)
     return tokenizer, pieces
@@ -211,7 +216,7 @@ def _special_ids(reader: GGUFFile, vocabulary: int) -> dict[str, int]:
 
 # Text that exercises merges, spaces, digits, unicode and special tokens.
 _TOKENIZER_PROBE = "Hello world!  12345 naïve 🤗\n\n<|im_start|>user\tdef f(x): return x**2<|im_end|>"
-_BUILD = 2  # (1: transformers' GGUF conversion) a change of the builder leaves old caches unread
+_BUILD = 3  # (1: transformers' GGUF conversion) a change of the builder leaves old caches unread
 
 
 def load_gguf_tokenizer(path: str) -> transformers.PreTrainedTokenizerBase:

@@ -6,6 +6,7 @@ converted from; a chat ends where the family ends a turn."""
 from __future__ import annotations
 
 import functools
+import re
 from pathlib import Path
 
 import pytest
@@ -48,24 +49,94 @@ def family(tmp_path_factory):
         with pytest.MonkeyPatch.context() as mp:  # (its tokenizer's cache in the temp dir)
             mp.setenv("CONVEYOR_CACHE_DIR", str(cache))
             return folders[name], LLM(model=ggufs[name], dtype="float32", num_kv_blocks=64,
-                                      max_model_len=256)
+                                      max_model_len=256, kv_cache_dtype="float32")
     return load
+
+
+def sentencepiece(folder: Path):
+    """The folder's own SentencePiece model, where it has one; and whether it adds a space
+    before a text (its dummy prefix)."""
+    import sentencepiece as spm
+    from sentencepiece import sentencepiece_model_pb2 as pb
+
+    path = folder / "tokenizer.model"
+    if not path.exists():
+        return None, False
+    proto = pb.ModelProto()
+    proto.ParseFromString(path.read_bytes())
+    return (spm.SentencePieceProcessor(model_file=str(path)),
+            proto.normalizer_spec.add_dummy_prefix)
+
+
+def llama_cpp_spm(hf, sp, text: str) -> list[int]:
+    """llama.cpp's SentencePiece tokenization (llama-vocab.cpp, ``tokenize``): the text split
+    at the added tokens, the whitespace after one that strips it dropped (Phi-3's), each run of
+    text between them encoded by the model's own SentencePiece, space prefix and all."""
+    added = {t.content: (i, t.rstrip) for i, t in hf.added_tokens_decoder.items()}
+    pattern = re.compile("|".join(map(re.escape, sorted(added, key=len, reverse=True))))
+    ids, at = [], 0
+    while at <= len(text):
+        found = pattern.search(text, at)
+        end = found.start() if found else len(text)
+        if end > at:
+            ids += sp.encode(text[at:end])
+        if found is None:
+            return ids
+        token, rstrip = added[found.group()]
+        ids.append(token)
+        at = found.end()
+        while rstrip and at < len(text) and text[at].isspace():
+            at += 1
+    return ids
 
 
 @pytest.mark.parametrize("name", list(FAMILIES))
 def test_tokens_and_chats_equal_the_hf_tokenizers(family, name):
+    """transformers' tokenizer is the reference, but for a SentencePiece vocabulary with a
+    space prefix: llama.cpp adds it before every run of text, at the start and after each
+    special token, where transformers' (legacy=False) adds it once and not to a text that
+    begins with a space. There the reference is llama.cpp's own algorithm over the model's
+    SentencePiece (test_gguf_tokenizer checks it on llama.cpp's own test vectors)."""
     folder, llm = family(name)
     ours, hf = llm.engine.tokenizer, hf_tokenizer(folder)
+    sp, prefixed = sentencepiece(folder)
+
+    def reference(text: str) -> list[int]:
+        return (llama_cpp_spm(hf, sp, text) if prefixed
+                else hf.encode(text, add_special_tokens=False))
+
     for text in TEXTS:
-        assert ours(text).input_ids == hf(text).input_ids, text
+        assert ours.encode(text, add_special_tokens=False) == reference(text), text
         assert ours.decode(hf(text).input_ids) == hf.decode(hf(text).input_ids), text
+        if not prefixed:
+            assert ours(text).input_ids == hf(text).input_ids, text  # (BOS where it adds one)
     for generation_prompt in (True, False):
         rendered = hf.apply_chat_template(CHAT, tokenize=False,
                                           add_generation_prompt=generation_prompt)
         assert ours.apply_chat_template(CHAT, tokenize=False,
                                         add_generation_prompt=generation_prompt) == rendered
-        assert llm.engine.inputs.apply_chat_template(CHAT, generation_prompt) == hf.encode(
-            rendered, add_special_tokens=False)
+        assert llm.engine.inputs.apply_chat_template(CHAT, generation_prompt) == reference(
+            rendered)
+
+
+# Whitespace as SentencePiece normalizes it: leading, trailing and repeated spaces, newlines,
+# tabs and their mixtures, alone and around words
+WHITESPACE = [" ", "  ", "   ", "\t", "\n", "\n\n", " \n ", "\t\n", "  leading spaces",
+              " one leading", "trailing ", "trailing   ", "a  b   c    d", "x\n\n  y\t\tz",
+              "\n\nafter newlines", "tab\tinside", "    indented\n    code\n",
+              "mixed \t \n end  "]
+
+
+@pytest.mark.parametrize("name", [n for n in FAMILIES if n in ("mistral_v0_3", "phi3_5",
+                                                                "gemma2", "gemma3")])
+def test_sentencepiece_families_split_whitespace_as_sentencepiece(family, name):
+    """Plain text (no special tokens) as the model's own SentencePiece model encodes it, whose
+    tokens llama.cpp reproduces on the converted file."""
+    folder, llm = family(name)
+    sp, _ = sentencepiece(folder)
+    for text in WHITESPACE:
+        assert llm.engine.tokenizer.encode(text, add_special_tokens=False) == sp.encode(text), (
+            repr(text))
 
 
 @pytest.mark.parametrize("name", list(FAMILIES))
