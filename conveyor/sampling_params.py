@@ -25,7 +25,8 @@ class StructuredOutputsParams:
     """One constraint on a request's output, as vLLM's ``StructuredOutputsParams``: a JSON
     schema, any JSON object, a regular expression, one of fixed strings, or a grammar (Lark, or
     GBNF/EBNF, told apart by its ``::=``). ``disable_any_whitespace``: JSON without free
-    whitespace between its tokens (as ``json.dumps(..., separators=(",", ":"))``).
+    whitespace between its tokens (as ``json.dumps(..., separators=(",", ":"))``);
+    ``whitespace_pattern``: a regular expression for each run of it (vLLM's; default: any run).
     ``after_token``: the constraint holds from the token after this one's first appearance in
     the output (a reasoning model's ``</think>``: the answer is constrained, not the thinking,
     as vLLM does with a reasoning parser); None: from the first token."""
@@ -36,6 +37,7 @@ class StructuredOutputsParams:
     grammar: str | None = None
     json_object: bool | None = None
     disable_any_whitespace: bool = False
+    whitespace_pattern: str | None = None
     after_token: int | None = None
 
     def __post_init__(self) -> None:
@@ -71,12 +73,12 @@ class StructuredOutputsParams:
         return self._given()[0]
 
     @cached_property
-    def key(self) -> tuple[str, str, bool]:
+    def key(self) -> tuple[str, str, bool, str | None]:
         """What the compiled grammar depends on: the cache's key (a request looks it up a few
         times, from the server's check to the engine's matcher; a schema is dumped once)."""
         spec = getattr(self, self.kind)
         text = spec if isinstance(spec, str) else json.dumps(spec, sort_keys=True)
-        return self.kind, text, self.disable_any_whitespace
+        return self.kind, text, self.disable_any_whitespace, self.whitespace_pattern
 
 
 # Poolings of a prompt's last hidden states into an embedding: the last token's (what a causal

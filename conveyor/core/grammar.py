@@ -70,6 +70,8 @@ def _template(spec: StructuredOutputsParams, tokenizer: llguidance.LLTokenizer
 def _grammar(spec: StructuredOutputsParams) -> str:
     """The llguidance grammar of a constraint (not yet checked)."""
     options = {"whitespace_flexible": not spec.disable_any_whitespace}
+    if spec.whitespace_pattern is not None and not spec.disable_any_whitespace:
+        options["whitespace_pattern"] = spec.whitespace_pattern
     if spec.json is not None:
         return llguidance.LLMatcher.grammar_from_json_schema(spec.json, defaults=options)
     if spec.json_object:

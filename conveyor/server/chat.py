@@ -109,6 +109,8 @@ async def create_chat_completion(body: ChatCompletionRequest, raw: Request,
         reasoning, text = (split_reasoning(s.text, state.reasoning_parser)
                            if state.reasoning_parser else (None, s.text))
         content, calls = parse_tool_calls(text or "", mode)
+        if mode == "required" and not calls and s.finish_reason == "length":
+            content = text  # cut short before a call was whole: what it wrote, not nothing
         choices.append(ChatChoice(
             index=s.index, message=AssistantMessage(content=content if text is not None else None,
                                                     reasoning_content=reasoning,

@@ -64,6 +64,7 @@ class StructuredOutputsRequest(BaseModel):
     grammar: str | None = None
     json_object: bool | None = None
     disable_any_whitespace: bool = False
+    whitespace_pattern: str | None = None
 
 
 # Fields of OpenAI's and vLLM's published request schemas that Conveyor does not implement:

@@ -9,6 +9,10 @@ from __future__ import annotations
 from conveyor.server.protocol import ChatCompletionRequest
 
 MAX_PARALLEL_CALLS = 16  # the array's bound: a model stuck repeating a call ends there
+# Whitespace between a call's JSON tokens: a space, or a line break and an indent, as
+# llama.cpp's JSON grammars allow it; free whitespace let a small model spend its every token
+# on it and return no call
+CALL_WHITESPACE = r"(?: |\n[ \t]{0,20})"
 
 
 def _arguments_schema(tool) -> dict:
@@ -106,7 +110,8 @@ def tool_constraint(body: ChatCompletionRequest, mode: str | None) -> tuple[str,
         return None
     if mode != "required":
         tool = next(t for t in body.tools if t.function.name == mode)
-        return "tool_choice", {"json": _arguments_schema(tool)}
+        return "tool_choice", {"json": _arguments_schema(tool),
+                               "whitespace_pattern": CALL_WHITESPACE}
     calls = [{"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
               "properties": {"name": {"const": t.function.name}, "arguments": _moved(
                   _arguments_schema(t), f"#/items/anyOf/{i}/properties/arguments")}}
@@ -114,4 +119,4 @@ def tool_constraint(body: ChatCompletionRequest, mode: str | None) -> tuple[str,
     schema = {"type": "array", "minItems": 1,
               "maxItems": MAX_PARALLEL_CALLS if body.parallel_tool_calls else 1,
               "items": {"anyOf": calls}}
-    return "tool_choice", {"json": schema}
+    return "tool_choice", {"json": schema, "whitespace_pattern": CALL_WHITESPACE}

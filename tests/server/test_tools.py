@@ -20,7 +20,8 @@ from conveyor.outputs import CompletionOutput
 from conveyor.sampling_params import StructuredOutputsParams
 from conveyor.server.protocol import ChatCompletionRequest
 from conveyor.server.streaming import TextDeltas
-from conveyor.server.tool_schemas import MAX_PARALLEL_CALLS, strict_schema, tool_constraint
+from conveyor.server.tool_schemas import (CALL_WHITESPACE, MAX_PARALLEL_CALLS, strict_schema,
+                                         tool_constraint)
 from conveyor.server.tools import ToolCallDeltas, parse_tool_calls, template_messages, tool_mode
 
 
@@ -69,7 +70,8 @@ def test_tool_choice_modes_and_constraints():
     assert field == "tool_choice" and spec["json"]["maxItems"] == 1
     assert spec["json"]["items"]["anyOf"][0]["properties"]["name"] == {"const": "add"}
     assert tool_constraint(body, "add")[1] == {"json": {**TOOL["function"]["parameters"],
-                                                        "additionalProperties": False}}
+                                                        "additionalProperties": False},
+                                               "whitespace_pattern": CALL_WHITESPACE}
     assert tool_constraint(body, "auto") is None
 
 
@@ -348,6 +350,22 @@ def test_required_ends_with_the_array_and_bounds_its_length(grammars):
     assert accepted(grammars, spec, most + ", ")[0] is False
 
 
+@pytest.mark.parametrize("mode", ["required", "add"])
+def test_a_calls_whitespace_is_a_space_or_a_line_and_its_indent(grammars, mode):
+    """As llama.cpp's JSON grammars bound it: free whitespace let a small model spend all its
+    tokens on it and return no call."""
+    _, spec = tool_constraint(request(tools=[TOOL], tool_choice="required"), mode)
+    call = '{"name": "add", "arguments": %s}' % '{"a": 1, "b": 2}'
+    whole = f"[{call}]" if mode == "required" else '{"a": 1, "b": 2}'
+    assert accepted(grammars, spec, whole) == (True, True)
+    indented = json.dumps(json.loads(whole), indent=2)
+    assert accepted(grammars, spec, indented) == (True, True)
+    for run in ("  ", "\n\n", " \n", "\n" + " " * 21):
+        assert accepted(grammars, spec, whole[0] + run + whole[1:])[0] is False, repr(run)
+    free = {k: v for k, v in spec.items() if k != "whitespace_pattern"}
+    assert accepted(grammars, free, whole[0] + "\n\n   \n" + whole[1:]) == (True, True)
+
+
 def test_required_keeps_each_tools_references_working(grammars):
     params = {"type": "object", "properties": {"p": {"$ref": "#/$defs/P"},
                                                "kids": {"type": "array", "items": {"$ref": "#"}}},
@@ -374,7 +392,8 @@ def test_a_tool_that_says_strict_false_keeps_its_schema_open():
     tool = copy.deepcopy(TOOL)
     tool["function"]["strict"] = False
     body = request(tools=[tool], tool_choice={"type": "function", "function": {"name": "add"}})
-    assert tool_constraint(body, "add")[1] == {"json": TOOL["function"]["parameters"]}
+    assert tool_constraint(body, "add")[1] == {"json": TOOL["function"]["parameters"],
+                                               "whitespace_pattern": CALL_WHITESPACE}
 
 
 # -- through the official client ----------------------------------------------------------------
@@ -530,3 +549,22 @@ def test_tokenize_counts_the_prompt_the_chat_route_builds(server, model, body):
         bare = {k: v for k, v in body.items() if k not in ("tools", "tool_choice")}
         fewer = httpx.post(f"{server.base_url}/tokenize", json={"model": model, **bare})
         assert fewer.json()["count"] < counted.json()["count"]
+
+
+@pytest.mark.parametrize("max_tokens", [6, 80])
+def test_required_returns_a_call_or_what_it_wrote_never_nothing(client, model, max_tokens):
+    """The issue's case (80 tokens: the model once spent them all on whitespace) and one cut
+    before any call is whole: complete calls with finish tool_calls, or finish length with the
+    text written so far as content; never an empty answer."""
+    choice = chat(client, model, ASK_PARIS, tools=[WEATHER, TIME], tool_choice="required",
+                  max_tokens=max_tokens).choices[0]
+    if choice.message.tool_calls:
+        assert choice.finish_reason in ("tool_calls", "length")
+        for call in choice.message.tool_calls:
+            assert call.function.name in ("get_weather", "get_time")
+            json.loads(call.function.arguments)
+    else:
+        assert choice.finish_reason == "length" and choice.message.content
+        assert choice.message.content.lstrip().startswith("[")
+    if max_tokens == 6:
+        assert not choice.message.tool_calls  # (no call of these tools fits in 6 tokens)
