@@ -65,8 +65,8 @@ def test_prompt_logprobs_match_transformers_through_chunks_samples_and_cache(
     ids = [(37 * i + 11) % 49000 + 100 for i in range(70)]
     reference = teacher_forced(hf, ids)
     # 16 tokens a step: the prompt runs in five chunks
-    llm = LLM(model=path, dtype="float32", num_kv_blocks=64, max_model_len=256,
-              max_num_batched_tokens=16, max_num_seqs=4)
+    llm = LLM(model=path, dtype="float32", kv_cache_dtype="float32", num_kv_blocks=64,
+              max_model_len=256, max_num_batched_tokens=16, max_num_seqs=4)
     first = llm.generate({"prompt_token_ids": ids},
                          SamplingParams(temperature=0, max_tokens=3, n=2, prompt_logprobs=4),
                          use_tqdm=False)[0]
@@ -91,7 +91,7 @@ def test_prompt_logprobs_match_transformers_through_chunks_samples_and_cache(
 # -- the server --------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def server():
-    with running_server("--dtype", "float32") as proc:
+    with running_server("--dtype", "float32", "--kv-cache-dtype", "float32") as proc:
         yield proc
 
 

@@ -12,6 +12,7 @@ import sys
 import pytest
 from tiny_models import make_tiny_checkpoint
 
+from cli_output import error_lines
 from conveyor.llm import LLM
 
 ESCAPE = "{{ ''.__class__.__mro__[1].__subclasses__() }}"
@@ -43,7 +44,7 @@ def test_a_template_that_escapes_the_sandbox_is_refused_at_load(tmp_path):
                           capture_output=True, text=True, timeout=300,
                           env=dict(os.environ, HF_HUB_OFFLINE="1"))
     assert done.returncode == 2
-    lines = done.stderr.strip().splitlines()
+    lines = error_lines(done.stderr)
     assert len(lines) == 1 and "was refused" in lines[0], done.stderr
 
 

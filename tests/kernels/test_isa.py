@@ -9,6 +9,7 @@ import sys
 import pytest
 import torch
 
+from cli_output import error_lines
 from conveyor.config import EngineConfig
 from conveyor.kernels import build, isa
 from conveyor.model import backend
@@ -103,7 +104,7 @@ def test_cli_refuses_bfloat16_on_a_forced_avx2_tier_with_one_line():
                            "--max-tokens", "1"], capture_output=True, text=True, env=env,
                           timeout=300)
     assert done.returncode == 2
-    lines = done.stderr.strip().splitlines()
+    lines = error_lines(done.stderr)
     assert len(lines) == 1 and lines[0].startswith("conveyor: error: dtype bfloat16 needs")
 
 

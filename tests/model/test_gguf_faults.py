@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 from tiny_models import TINY_VOCAB, make_tiny_model, write_gguf
 
+from cli_output import error_lines
 from conveyor.llm import LLM
 from conveyor.sampling_params import SamplingParams
 
@@ -114,7 +115,7 @@ def test_cli_truncated_is_one_line_and_exit_2(good: Path, tmp_path: Path) -> Non
                           "--max-tokens", "1"], capture_output=True, text=True, timeout=300,
                          env=dict(os.environ, HF_HUB_OFFLINE="1"))
     assert res.returncode == 2, res.stderr
-    (line,) = res.stderr.strip().splitlines()
+    (line,) = error_lines(res.stderr)
     assert line.startswith(f"conveyor: error: {bad}: not a valid GGUF file: "), line
     assert line.endswith(f"the file ({bad.stat().st_size} bytes): truncated or corrupted"), line
 

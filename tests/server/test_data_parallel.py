@@ -26,6 +26,7 @@ from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 from starlette.testclient import TestClient
 
+from cli_output import error_lines
 from conveyor.cli import build_parser
 from conveyor.config import EngineConfig
 from conveyor.server.config import ServerConfig
@@ -42,8 +43,10 @@ from equivalence import random_prompts, run_conveyor
 from tiny_models import make_tiny_checkpoint
 
 # The equivalence tests' engine: a pool small enough to preempt, prompts prefilled in chunks.
-ENGINE = ["--dtype", "float32", "--block-size", "16", "--num-kv-blocks", "20",
-          "--max-model-len", "160", "--max-num-seqs", "12", "--max-num-batched-tokens", "64"]
+# (run_conveyor's settings: transformers' numerics)
+ENGINE = ["--dtype", "float32", "--kv-cache-dtype", "float32", "--block-size", "16",
+          "--num-kv-blocks", "20", "--max-model-len", "160", "--max-num-seqs", "12",
+          "--max-num-batched-tokens", "64"]
 NEW_TOKENS = 40
 
 
@@ -357,16 +360,17 @@ def test_a_url_replica_serving_another_model_is_refused_at_start(tiny_llama, url
     out = serve_error("--model", tiny_llama, "--served-model-name", "other", "--replica-url",
                       url_replica.base_url)
     assert out.returncode == 2
-    assert out.stderr.strip().splitlines()[-1].startswith(
-        f"conveyor: error: --replica-url {url_replica.base_url} serves ")
-    assert "not other as the front does" in out.stderr and out.stderr.count("\n") == 1
+    (line,) = error_lines(out.stderr)
+    assert line.startswith(f"conveyor: error: --replica-url {url_replica.base_url} serves ")
+    assert "not other as the front does" in line
 
 
 def test_an_unreachable_url_replica_at_start_is_a_clear_error(tiny_llama):
     url = f"http://127.0.0.1:{free_port()}"
     out = serve_error("--model", tiny_llama, "--replica-url", url)
-    assert out.returncode == 2 and out.stderr.count("\n") == 1, out.stderr
-    assert out.stderr.startswith(f"conveyor: error: --replica-url {url} does not answer")
+    assert out.returncode == 2 and len(error_lines(out.stderr)) == 1, out.stderr
+    assert error_lines(out.stderr)[0].startswith(
+        f"conveyor: error: --replica-url {url} does not answer")
 
 
 def test_the_front_routes_responses_and_embeddings_by_their_prompt_tokens():

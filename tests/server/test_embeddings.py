@@ -39,8 +39,9 @@ def test_llm_embed_matches_transformers_through_chunks_and_preemption(tiny, pool
     prompts = [[(31 * i + 7 * j) % 49000 + 50 for i in range(length)]
                for j, length in enumerate((70, 9, 1, 33, 64, 64))]
     # 16 tokens a step: prompts in chunks, several in a step
-    llm = LLM(model=path, dtype="float32", num_kv_blocks=12, max_model_len=128,
-              max_num_batched_tokens=16, max_num_seqs=4, task="embed", pooling_type=pooling)
+    llm = LLM(model=path, dtype="float32", kv_cache_dtype="float32", num_kv_blocks=12,
+              max_model_len=128, max_num_batched_tokens=16, max_num_seqs=4, task="embed",
+              pooling_type=pooling)
     outs = llm.embed([{"prompt_token_ids": p} for p in prompts], use_tqdm=False)
     for prompt, out in zip(prompts, outs):
         with torch.no_grad():
@@ -69,7 +70,8 @@ def test_the_models_own_pooling_is_read(tmp_path):
                     "sentence_transformers.models.Pooling"}], f)
     with open(os.path.join(folder, "1_Pooling", "config.json"), "w") as f:
         json.dump({"pooling_mode_mean_tokens": True, "pooling_mode_cls_token": False}, f)
-    llm = LLM(model=folder, dtype="float32", num_kv_blocks=16, max_model_len=64, task="embed")
+    llm = LLM(model=folder, dtype="float32", kv_cache_dtype="float32", num_kv_blocks=16,
+              max_model_len=64, task="embed")
     assert llm.engine.pooling_type == "mean"
     model = make_tiny_model("llama", vocab_size=len(TINY_VOCAB))
     for value, name in ((1, "mean"), (2, "cls"), (3, "last")):
@@ -81,7 +83,8 @@ def test_the_models_own_pooling_is_read(tmp_path):
 # -- the server --------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def server():
-    with running_server("--task", "embed", "--dtype", "float32") as proc:
+    with running_server("--task", "embed", "--dtype", "float32", "--kv-cache-dtype",
+                        "float32") as proc:
         yield proc
 
 

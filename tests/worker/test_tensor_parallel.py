@@ -16,6 +16,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from cli_output import error_lines
 from conveyor import LLM, SamplingParams
 from conveyor.kernels.blocks import QuantizedWeight
 from conveyor.model.config import ModelConfig, MoE
@@ -257,6 +258,6 @@ def test_a_model_the_shards_cannot_take_is_one_line_on_the_cli(tiny_checkpoint):
                          capture_output=True, text=True, timeout=300,
                          env=dict(os.environ, HF_HUB_OFFLINE="1"))
     assert run.returncode == 2
-    assert run.stderr.strip().splitlines() == [
+    assert error_lines(run.stderr) == [
         "conveyor: error: tensor parallelism is not implemented for olmoe's q/k norms over all "
         "heads at once; run it with --tensor-parallel-size 1"], run.stderr[-3000:]
