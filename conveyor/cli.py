@@ -194,6 +194,11 @@ def build_parser() -> argparse.ArgumentParser:
                      help="a .gguf file or a Hugging Face folder, as --model")
     add_arguments(srv.add_argument_group("engine"), EngineConfig)
     add_arguments(srv.add_argument_group("server"), ServerConfig)
+    vllm = srv.add_argument_group("vLLM's flags, accepted so that its launch lines start "
+                                  "unchanged (each says what happens instead)")
+    for flag, (takes_value, line) in VLLM_ONLY_FLAGS.items():
+        vllm.add_argument(flag, help=line, **({"metavar": "VALUE"} if takes_value
+                                             else {"action": "store_true"}))
     srv.set_defaults(handler=_serve)
     add_bench_parser(sub)
     return parser

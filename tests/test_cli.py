@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from conveyor.cli import main
+from conveyor.cli import VLLM_ONLY_FLAGS, main
 
 CLI = [sys.executable, "-m", "conveyor.cli"]
 
@@ -144,6 +144,11 @@ def test_serve_accepts_vllm_only_flags_with_a_line_each(tmp_path, cli):
     assert not any("hermes" in line or "llama3_json" in line for line in lines)
     code, _, err = cli("serve", missing, "--trust-remote-code", "--no-such-vllm-flag")
     assert code == 2 and "unrecognized arguments: --no-such-vllm-flag" in err
+    code, out, _ = cli("serve", "--help")
+    listed = "".join(out.split())  # (help wraps its lines, at spaces and hyphens)
+    assert code == 0 and "vLLM'sflags,accepted" in listed
+    for flag, (_, line) in VLLM_ONLY_FLAGS.items():
+        assert flag in listed and "".join(line.split()) in listed, flag
 
 
 def test_cors_lists_take_vllms_json_or_items():
