@@ -61,9 +61,9 @@ class DecodeKernel:
                  softcap: float | None = None) -> None:
         """q, out: [n, H, D] (rows may be strided, heads packed); caches: [blocks, block_size,
         KVH, D] of the dtype, float16 or int8 head rows (``kv_type``), contiguous; block_tables:
-        [n, W] int32; context_lens: [n] int32. scale: the scores' (default head_dim^-0.5); window: the
-        tokens a query attends to at most (its own and the window - 1 before it); softcap:
-        scores become softcap * tanh(s / softcap)."""
+        [n, W] int32; context_lens: [n] int32. scale: the scores' (default head_dim^-0.5);
+        window: the tokens a query attends to at most (its own and the window - 1 before it);
+        softcap: scores become softcap * tanh(s / softcap)."""
         n, num_heads, dim = q.shape
         _, block_size, kv_heads, _ = k_cache.shape
         assert q.dtype == out.dtype == self.dtype and k_cache.dtype == v_cache.dtype

@@ -102,7 +102,8 @@ def unavailable(dtype: torch.dtype, head_dim: int, tier: str) -> str | None:
 
 def reads_half_caches(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
     """Whether this process's kernels read a float16 KV cache of a float32 model (F16C: the
-    tiers above generic), which ``--kv-cache-dtype auto`` then picks (docs/results/kv-cache-dtype)."""
+    tiers above generic), which ``--kv-cache-dtype auto`` then picks
+    (docs/results/kv-cache-dtype)."""
     tier = isa.current().tier
     return (device.type == "cpu" and dtype == torch.float32 and tier != "generic"
             and unavailable(dtype, head_dim, tier) is None)
