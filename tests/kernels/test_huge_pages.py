@@ -10,17 +10,23 @@ import torch
 from conveyor.kernels import huge_pages
 
 
-def vm_flags(address: int) -> list[str]:
-    """The VmFlags of the mapping of this process that holds ``address`` (/proc/self/smaps)."""
+def mapping_field(address: int, field: str) -> list[str]:
+    """The values of ``field`` (``VmFlags``, ``Rss``, ...) of the mapping of this process that
+    holds ``address`` (/proc/self/smaps)."""
     inside = False
     for line in open("/proc/self/smaps"):
         head = line.split()[0]
         if "-" in head and not head.endswith(":"):
             lo, hi = (int(x, 16) for x in head.split("-"))
             inside = lo <= address < hi
-        elif inside and head == "VmFlags:":
+        elif inside and head == f"{field}:":
             return line.split()[1:]
     raise AssertionError(f"no mapping holds {address:#x}")
+
+
+def rss_kib(t: torch.Tensor) -> int:
+    """Rss (KiB) of the mapping that holds the tensor's storage."""
+    return int(mapping_field(t.data_ptr(), "Rss")[0])
 
 
 def test_zeros_are_zeros():
@@ -33,7 +39,7 @@ def test_large_tensor_is_advised_huge():
     t = huge_pages.zeros((16 << 20,), torch.float32, torch.device("cpu"))  # 64 MB
     assert not t.any()
     middle = t.data_ptr() + t.numel() * t.element_size() // 2
-    assert "hg" in vm_flags(middle)  # MADV_HUGEPAGE is set on that range
+    assert "hg" in mapping_field(middle, "VmFlags")  # MADV_HUGEPAGE is set on that range
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/self/smaps is Linux's")
@@ -41,19 +47,7 @@ def test_the_pool_is_not_resident_until_written():
     """A GB pool costs nothing at start: the kernel hands its pages out zeroed as they are
     first written (so no seconds spent zeroing it, no memory held for pages never used)."""
     t = huge_pages.zeros((256 << 20,), torch.float32, torch.device("cpu"))  # 1 GiB
-    assert resident_kib(t.data_ptr()) < 4096
+    assert rss_kib(t) < 4096
     t[: 16 << 20] = 1.0  # 64 MB written
-    assert 60 << 10 <= resident_kib(t.data_ptr()) < 100 << 10
+    assert 60 << 10 <= rss_kib(t) < 100 << 10
 
-
-def resident_kib(address: int) -> int:
-    """Rss (KiB) of the mapping of this process that holds ``address``."""
-    inside = False
-    for line in open("/proc/self/smaps"):
-        head = line.split()[0]
-        if "-" in head and not head.endswith(":"):
-            lo, hi = (int(x, 16) for x in head.split("-"))
-            inside = lo <= address < hi
-        elif inside and head == "Rss:":
-            return int(line.split()[1])
-    raise AssertionError(f"no mapping holds {address:#x}")
