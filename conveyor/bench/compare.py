@@ -13,7 +13,8 @@ import json
 import math
 import os
 
-from conveyor.bench.serve import add_workload_args, benchmark, build_workload, served_model
+from conveyor.bench.serve import (add_save_detailed_arg, add_workload_args, benchmark,
+                                  build_workload, saved, served_model)
 from conveyor.process import ConveyorServer
 
 DEFAULT_KV_MEMORY = "1GiB"  # for each server started: the same for every run, whatever is free
@@ -61,6 +62,7 @@ def add_compare_args(p: argparse.ArgumentParser) -> None:
                    help="the batching policies compared")
     p.add_argument("--max-num-seqs", type=int, nargs="+", default=[32],
                    help="batch sizes: one run each, per policy")
+    add_save_detailed_arg(p)
 
 
 def server_flags(args: argparse.Namespace, policy: str, max_num_seqs: int,
@@ -167,19 +169,30 @@ def compare(args: argparse.Namespace) -> dict:
     ideal, measured = policy_ratios(runs, [r.output_len for r in workload], args.max_num_seqs,
                                     "measured")
     summary = {"runs": runs, "ideal_ratio": ideal, "measured_ratio": measured}
-    return write_summary(summary, args.result_dir, "compare.json")
+    return write_summary(summary, args, "compare.json")
 
 
-def write_summary(summary: dict, result_dir: str, name: str) -> dict:
-    """The runs' plots and the summary as JSON, into ``result_dir``."""
+def write_summary(summary: dict, args: argparse.Namespace, name: str) -> dict:
+    """The runs' plots and the summary as JSON, into ``--result-dir``: each run's steps and
+    per-request lists only with ``--save-detailed`` (they are what the plots drew)."""
     from conveyor.bench.plots import plot_latency_cdfs, plot_occupancy, plot_throughput
 
-    runs = summary["runs"]
+    runs, result_dir = summary["runs"], args.result_dir
     plots = [plot_throughput(runs, result_dir), plot_latency_cdfs(runs, result_dir),
              plot_occupancy(runs, result_dir)]
     path = os.path.join(result_dir, name)
     with open(path, "w") as f:
-        json.dump(summary, f)  # no indent: the C encoder, for many thousand steps
+        json.dump(summary if args.save_detailed else {**summary, "runs": [_brief(r) for r in runs]},
+                  f)  # no indent: the C encoder, for many thousand steps
     print("wrote " + ", ".join([path, *plots]))
     summary["files"] = [path, *plots]
     return summary
+
+
+def _brief(run: dict) -> dict:
+    """A run as saved without ``--save-detailed``."""
+    out = {k: v for k, v in run.items() if k != "steps"}
+    out["result"] = saved(run["result"], False)
+    if "reruns" in run:
+        out["reruns"] = [_brief(r) for r in run["reruns"]]
+    return out

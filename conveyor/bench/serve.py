@@ -21,6 +21,9 @@ from conveyor.bench.datasets import (BenchRequest, conversation_dataset, jsonl_d
                                      random_dataset)
 from conveyor.bench.metrics import METRICS, compute_metrics, format_report, parse_goodput
 
+# a result's lists with an entry per request (as vLLM's bench serve names them)
+PER_REQUEST = ("input_lens", "output_lens", "ttfts", "e2els", "itls", "errors")
+
 
 def add_workload_args(p: argparse.ArgumentParser) -> None:
     """The flags that define the traffic (shared by serve, compare and tune)."""
@@ -89,6 +92,18 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="where --save-result writes")
     p.add_argument("--result-filename", default=None,
                    help="the JSON's name (default: bench-DATE.json)")
+    add_save_detailed_arg(p)
+
+
+def add_save_detailed_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--save-detailed", action="store_true",
+                   help="the saved JSON keeps each request's lengths, latencies and error "
+                        "(vLLM's), and bench compare's and simulate's each step's record")
+
+
+def saved(result: dict, detailed: bool) -> dict:
+    """A run's result as saved: vLLM drops the per-request lists unless ``--save-detailed``."""
+    return result if detailed else {k: v for k, v in result.items() if k not in PER_REQUEST}
 
 
 def build_workload(args: argparse.Namespace, tokenizer=None) -> list[BenchRequest]:
@@ -200,7 +215,7 @@ def benchmark(args: argparse.Namespace, workload: list[BenchRequest] | None = No
                                              not args.disable_tqdm))
     result = report(args, model, results, duration, selected, percentiles, slos)
     if args.save_result:
-        save_result(args, result, f"bench-{result['date']}.json")
+        save_result(args, saved(result, args.save_detailed), f"bench-{result['date']}.json")
     return result
 
 

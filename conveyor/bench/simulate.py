@@ -26,12 +26,14 @@ from conveyor.bench.datasets import read_jsonl
 from conveyor.bench.metrics import parse_goodput
 from conveyor.bench.roofline import RooflineCost, accelerator, model_config
 from conveyor.bench.serve import (
+    add_save_detailed_arg,
     add_workload_args,
     arrival_gaps,
     build_workload,
     parse_selection,
     report,
     save_result,
+    saved,
 )
 from conveyor.bench.simulated_engine import EngineSettings, SimulatedRequest, Simulator
 from conveyor.core.scheduler import SchedulerConfig
@@ -80,6 +82,7 @@ def add_simulate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--save-result", action="store_true",
                    help="also save each run's result as `bench serve` does")
     p.add_argument("--result-filename", default=None, help="for --save-result of one run")
+    add_save_detailed_arg(p)
     add_cost_args(p)
 
 
@@ -212,10 +215,11 @@ def simulate(args: argparse.Namespace) -> dict:
             runs.append(simulate_run(args, requests, cost, pool, policy, seqs,
                                      args.max_num_batched_tokens, label))
             if args.save_result:
-                save_result(args, runs[-1]["result"], f"simulate-{policy}-{seqs}.json")
+                save_result(args, saved(runs[-1]["result"], args.save_detailed),
+                            f"simulate-{policy}-{seqs}.json")
     print("\n" + format_table(runs))
     ideal, predicted = policy_ratios(runs, [r.output_len for r in requests], args.max_num_seqs,
                                      "simulated")
     summary = {"cost_model": cost.describe(), "runs": runs, "ideal_ratio": ideal,
                "predicted_ratio": predicted}
-    return write_summary(summary, args.result_dir, "simulate.json")
+    return write_summary(summary, args, "simulate.json")

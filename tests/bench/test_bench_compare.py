@@ -30,7 +30,8 @@ WORKLOAD = ["--dataset-name", "random", "--num-prompts", "12", "--random-input-l
 
 @pytest.mark.slow
 def test_compare_prints_the_table_and_writes_json_and_plots(tmp_path):
-    res = bench("compare", *WORKLOAD, "--max-num-seqs", "4", "--result-dir", str(tmp_path))
+    res = bench("compare", *WORKLOAD, "--max-num-seqs", "4", "--result-dir", str(tmp_path),
+                "--save-detailed")
     assert res.returncode == 0, res.stderr[-3000:]
     out = res.stdout
     assert "config" in out and "static/4" in out and "continuous/4" in out

@@ -205,10 +205,13 @@ def test_simulate_command_writes_the_report_json_and_plots(tmp_path, capsys):
     runs = {r["label"]: r["result"] for r in summary["runs"]}
     for result in runs.values():
         assert result["completed"] == 30 and result["p95_ttft_ms"] > 0
-    assert runs["static/8"]["input_lens"] == runs["continuous/8"]["input_lens"]
+        assert result["total_input_tokens"] == runs["static/8"]["total_input_tokens"]
     assert summary["predicted_ratio"]["8"] > 1  # on a GPU continuous wins
     saved = json.loads((tmp_path / "simulate-continuous-8.json").read_text())
     assert saved["output_throughput"] == runs["continuous/8"]["output_throughput"]
+    # as vLLM saves without --save-detailed: no list with an entry per request or step
+    for record in (saved, *runs.values(), *summary["runs"]):
+        assert not [k for k, v in record.items() if isinstance(v, list)], record.keys()
     for name in ("throughput.png", "latency_cdf.png", "occupancy.png"):
         assert (tmp_path / name).stat().st_size > 5000
 
@@ -220,11 +223,14 @@ def test_simulate_replays_a_trace_with_shared_prefixes(tmp_path):
     trace.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     for caching in ("--enable-prefix-caching", "--no-enable-prefix-caching"):
         main(["bench", "simulate", "--trace", str(trace), "--accelerator", "L4",
-              "--model-config", "llama-3-8b", caching, "--result-dir", str(tmp_path / caching)])
-    results = [json.loads((tmp_path / c / "simulate.json").read_text())["runs"][0]["result"]
-               for c in ("--enable-prefix-caching", "--no-enable-prefix-caching")]
+              "--model-config", "llama-3-8b", caching, "--result-dir", str(tmp_path / caching),
+              "--save-detailed"])
+    runs = [json.loads((tmp_path / c / "simulate.json").read_text())["runs"][0]
+            for c in ("--enable-prefix-caching", "--no-enable-prefix-caching")]
+    results = [run["result"] for run in runs]
     assert [r["completed"] for r in results] == [12, 12]
-    assert results[0]["input_lens"] == [1200] * 12
+    assert results[0]["input_lens"] == [1200] * 12 and len(results[0]["itls"]) == 12
+    assert sum(s["num_prefill_tokens"] for s in runs[1]["steps"]) == 12 * 1200
     # 1024 of each prompt's 1200 tokens are the first one's pages
     assert results[0]["mean_ttft_ms"] < results[1]["mean_ttft_ms"]
 
