@@ -38,11 +38,11 @@ def test_soak_with_disconnects_and_bad_requests_loses_nothing(server, capsys):
     rss = {}
     write_kv_pool(server.base_url, {})  # (the pool is mapped lazily)
     outcomes = asyncio.run(run_soak(
-        server.base_url, {}, 240, 8, 0.10, 0.05, 8, 0, 80,
+        server.base_url, {}, 150, 8, 0.10, 0.05, 8, 0, 50,
         lambda: rss.setdefault("checkpoint", rss_mib(server.proc.pid))))
     shown = capsys.readouterr().err  # progress bars, with their totals
     assert "writing every KV page once: 100%" in shown and "soak: 100%" in shown
-    assert "240/240" in shown
+    assert "150/150" in shown
     result = summary(outcomes)
     assert result["failures"] == [], result
     assert {"completed", "disconnected", "rejected"} <= set(result["outcomes"])
