@@ -609,9 +609,11 @@ def test_decode_stack_matches_the_layers(monkeypatch, request, native_dtype, net
             rounded_apart.append((diff.max() / scale).item())
             continue
         # (float32: the dense network's two paths agree bit for bit; the mixture's part by a
-        # few float32 steps of the scale, more on a prompt step's many rows)
+        # few float32 steps of the scale, more on a prompt step's many rows, and more again where
+        # a float16 cache rounds such a difference in a key or value to a half's step)
         assert diff.max() <= scale * (2 ** -6 if native_dtype == BF16 else
-                                      1e-5 if network == "dense" else 4e-5)
+                                      1e-5 if network == "dense" else
+                                      2e-4 if half_kv_cache(llm) else 4e-5)
         differing.append((diff > 0).float().mean().item())
     assert len(rounded_apart) <= 2 and all(r <= 2 ** -4 for r in rounded_apart), rounded_apart
     if native_dtype == BF16:
@@ -660,8 +662,16 @@ def test_prompt_tokens_as_queries_match_sdpa(monkeypatch, default_gguf_path, nat
         assert a.token_ids == b.token_ids
         for tid, lp in a.logprobs[0].items():
             if tid in b.logprobs[0]:
+                # a float16 cache rounds the paths' float32 differences in a key or value to a
+                # half's step now and then, from the second layer on
                 assert abs(lp.logprob - b.logprobs[0][tid].logprob) < (
-                    0.1 if native_dtype == BF16 else 1e-3)
+                    0.1 if native_dtype == BF16 else 5e-3 if half_kv_cache(llm) else 1e-3)
+
+
+def half_kv_cache(llm) -> bool:
+    """Whether the engine's KV cache holds halves of its float32 model (``--kv-cache-dtype``
+    auto where the CPU kernels read them)."""
+    return llm.engine.runner.kv_caches[0][0].dtype == torch.float16
 
 
 @pytest.mark.parametrize("tier", RUNNABLE)
