@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import copy
 import functools
-import os
 import random
 
 import torch
 import transformers
 
 from conveyor import LLM, SamplingParams
+
+from hf_gguf import hf_of_gguf
 
 TIE = 1e-4
 BF16_TIE = 0.25    # two bfloat16 steps at |logit| ~16, the top logits' scale for this model
@@ -39,20 +40,37 @@ def random_prompts(vocab: int) -> list[list[int]]:
 
 
 @torch.inference_mode()
-def hf_greedy(model, prompt: list[int], new_tokens: int) -> tuple[list[int], list[float]]:
-    """transformers' greedy continuation with its KV cache, and the top-2 logit gap at each step
-    (on the model's device)."""
-    tokens, gaps = [], []
+def hf_greedy(model, prompts: list[list[int]], new_tokens: int
+              ) -> list[tuple[list[int], list[float]]]:
+    """transformers' greedy continuations with its KV cache, and the top-2 logit gap at each step.
+    The prompts go as one batch, padded on the left (the steps read the weights once for all;
+    the gaps move by float32 rounding, far below a tie), except where transformers would count
+    the padding in (a sliding window, a rope scaled by length): then one at a time."""
+    rope = getattr(model.config, "rope_parameters", None) or {}
+    padding_counts = (getattr(model.config, "sliding_window", None) is not None
+                      or rope.get("rope_type", "default") not in ("default", "linear", "llama3"))
+    if padding_counts and len(prompts) > 1:
+        return [hf_greedy(model, [p], new_tokens)[0] for p in prompts]
+    width = max(len(p) for p in prompts)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts],
+                        device=model.device)
+    inputs = torch.tensor([[0] * (width - len(p)) + p for p in prompts], device=model.device)
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
     cache = transformers.DynamicCache()
-    inputs = torch.tensor([prompt], device=model.device)
+    tokens, gaps = [[] for _ in prompts], [[] for _ in prompts]
     for _ in range(new_tokens):
-        out = model(input_ids=inputs, past_key_values=cache, use_cache=True)
-        logits = out.logits[0, -1].float()
+        out = model(input_ids=inputs, attention_mask=mask, position_ids=positions,
+                    past_key_values=cache, use_cache=True)
+        logits = out.logits[:, -1].float()
         top2 = logits.topk(2).values
-        tokens.append(int(logits.argmax()))
-        gaps.append(float(top2[0] - top2[1]))
-        inputs = torch.tensor([[tokens[-1]]], device=model.device)
-    return tokens, gaps
+        for i, (token, gap) in enumerate(zip(logits.argmax(-1).tolist(),
+                                             (top2[:, 0] - top2[:, 1]).tolist())):
+            tokens[i].append(token)
+            gaps[i].append(gap)
+        inputs = torch.tensor([[t[-1]] for t in tokens], device=model.device)
+        positions = positions[:, -1:] + 1
+        mask = torch.cat([mask, mask.new_ones(len(prompts), 1)], dim=1)
+    return list(zip(tokens, gaps))
 
 
 @functools.lru_cache(maxsize=None)
@@ -60,8 +78,7 @@ def hf_model(kind: str, path: str) -> transformers.PreTrainedModel:
     """transformers' float32 model of the file or folder, loaded once (a GGUF's dequantizing
     takes seconds); the other dtypes' references cast a copy of it."""
     if kind.endswith("gguf"):
-        model = transformers.AutoModelForCausalLM.from_pretrained(
-            os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32)
+        model = hf_of_gguf(path)[0]
     else:
         model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     return model.eval()
@@ -77,11 +94,10 @@ def reference(kind: str, path: str, dtype: str = "float32", new_tokens: int = NE
         for weight in model.parameters():
             weight.data = weight.data.to(getattr(torch, dtype))
     if kind == "gguf":
-        prompts = text_prompts(transformers.AutoTokenizer.from_pretrained(
-            os.path.dirname(path), gguf_file=os.path.basename(path)))
+        prompts = text_prompts(hf_of_gguf(path)[1])
     else:
         prompts = random_prompts(model.config.vocab_size)
-    return prompts, [hf_greedy(model, p, new_tokens) for p in prompts]
+    return prompts, hf_greedy(model, prompts, new_tokens)
 
 
 def compare(ours: list[int], ref: list[int], gaps: list[float], tie: float = TIE) -> bool:

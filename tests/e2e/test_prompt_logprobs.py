@@ -3,7 +3,6 @@ evaluation harnesses send for log-likelihood tasks) against a teacher-forced tra
 
 from __future__ import annotations
 
-import os
 
 import httpx
 import openai
@@ -11,6 +10,7 @@ import pytest
 import torch
 import transformers
 from engine_checks import assert_no_leak
+from hf_gguf import hf_of_gguf
 from server_process import running_server
 from tiny_models import make_tiny_checkpoint
 
@@ -97,11 +97,7 @@ def server():
 
 @pytest.fixture(scope="module")
 def hf_default() -> tuple[transformers.PreTrainedModel, transformers.PreTrainedTokenizerBase]:
-    path = default_model_path()
-    folder, name = os.path.dirname(path), os.path.basename(path)
-    model = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name,
-                                                              dtype=torch.float32)
-    return model.eval(), transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    return hf_of_gguf(default_model_path())
 
 
 @pytest.mark.parametrize("stream", [False, True])

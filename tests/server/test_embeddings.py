@@ -12,6 +12,7 @@ import pytest
 import torch
 import transformers
 from engine_checks import assert_no_leak
+from hf_gguf import hf_of_gguf
 from server_process import running_server
 from tiny_models import TINY_VOCAB, make_tiny_checkpoint, make_tiny_model, write_gguf
 
@@ -89,10 +90,7 @@ def server():
 
 
 def test_embeddings_match_transformers_last_token_pooled(client, model):
-    path = default_model_path()
-    folder, name = os.path.dirname(path), os.path.basename(path)
-    hf = transformers.AutoModel.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
-    tokenizer = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    hf, tokenizer = hf_of_gguf(default_model_path(), transformers.AutoModel)
     texts = ["Continuous batching admits requests at every step.", "A cat.", "Paged KV"]
     # the client asks for base64 unless told otherwise; both encodings carry the same vector
     response = client.embeddings.create(model=model, input=texts)
