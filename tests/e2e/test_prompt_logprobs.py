@@ -78,10 +78,14 @@ def test_prompt_logprobs_match_transformers_through_chunks_samples_and_cache(
     again = llm.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=1, prompt_logprobs=0),
                          use_tqdm=False)[0]
     assert again.num_cached_tokens == 0
-    assert [None if e is None else {t: lp.logprob for t, lp in e.items()}
-            for e in again.prompt_logprobs] == [
-        None if e is None else {ids[i]: e[ids[i]].logprob}
-        for i, e in enumerate(first.prompt_logprobs)]
+    # (the same bits through the kernels, which are batch invariant; the PyTorch path is not,
+    # and one loaded run of the suite saw its last position 2e-6 apart)
+    exact = kernels == "on"
+    assert again.prompt_logprobs[0] is None and [list(e) for e in again.prompt_logprobs[1:]] == [
+        [ids[i]] for i in range(1, len(ids))]
+    for i, e in enumerate(again.prompt_logprobs[1:], 1):
+        before = first.prompt_logprobs[i][ids[i]].logprob
+        assert e[ids[i]].logprob == (before if exact else pytest.approx(before, abs=1e-5)), i
     # without prompt_logprobs, the cache serves it
     plain = llm.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=1), use_tqdm=False)
     assert plain[0].prompt_logprobs is None and plain[0].num_cached_tokens > 0
