@@ -1,10 +1,12 @@
 """Tool schemas as constraints: ``tool_choice`` into the structured-outputs spec the request is
 held to, under OpenAI's ``strict`` rule (an object lists its properties: unlisted ones refused
 where the schema does not allow them). ``required`` is an array of calls that ends the request
-when it closes (at most ``MAX_PARALLEL_CALLS``), a named function that function's arguments
-(as vLLM)."""
+when it closes (at most ``MAX_PARALLEL_CALLS``), or where the model ends its turn after a whole
+call; a named function that function's arguments (as vLLM)."""
 
 from __future__ import annotations
+
+import json
 
 from conveyor.server.protocol import ChatCompletionRequest
 
@@ -114,9 +116,13 @@ def tool_constraint(body: ChatCompletionRequest, mode: str | None) -> tuple[str,
                                "whitespace_pattern": CALL_WHITESPACE}
     calls = [{"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
               "properties": {"name": {"const": t.function.name}, "arguments": _moved(
-                  _arguments_schema(t), f"#/items/anyOf/{i}/properties/arguments")}}
+                  _arguments_schema(t), f"#/anyOf/{i}/properties/arguments")}}
              for i, t in enumerate(body.tools)]
-    schema = {"type": "array", "minItems": 1,
-              "maxItems": MAX_PARALLEL_CALLS if body.parallel_tool_calls else 1,
-              "items": {"anyOf": calls}}
-    return "tool_choice", {"json": schema, "whitespace_pattern": CALL_WHITESPACE}
+    call = {"anyOf": calls, "x-guidance": {"whitespace_flexible": True,
+                                           "whitespace_pattern": CALL_WHITESPACE}}
+    more = f' (WS? "," WS? call){{0,{MAX_PARALLEL_CALLS - 1}}}' if body.parallel_tool_calls else ""
+    # the closing bracket may be left out: the model's end of turn after a whole call ends the
+    # array there, where a small model, the end of turn held back, wrote call after call
+    return "tool_choice", {"grammar": f'start: "[" WS? call{more} (WS? "]")?\n'
+                                      f"call: %json {json.dumps(call)}\n"
+                                      f"WS: /{CALL_WHITESPACE}/\n"}

@@ -58,7 +58,7 @@ def test_required_and_named_outputs_become_calls():
     assert content is None and calls[0].function.arguments == '{"a": 1, "b": 2}'
 
 
-def test_tool_choice_modes_and_constraints():
+def test_tool_choice_modes_and_constraints(grammars):
     assert tool_mode(request()) is None
     assert tool_mode(request(tools=[TOOL])) == "auto"
     assert tool_mode(request(tools=[TOOL], tool_choice={"type": "function",
@@ -67,8 +67,10 @@ def test_tool_choice_modes_and_constraints():
         tool_mode(request(tool_choice="required"))
     body = request(tools=[TOOL], tool_choice="required", parallel_tool_calls=False)
     field, spec = tool_constraint(body, "required")
-    assert field == "tool_choice" and spec["json"]["maxItems"] == 1
-    assert spec["json"]["items"]["anyOf"][0]["properties"]["name"] == {"const": "add"}
+    call = '{"name": "add", "arguments": {"a": 1, "b": 2}}'
+    assert field == "tool_choice" and accepted(grammars, spec, f"[{call}]") == (True, True)
+    assert accepted(grammars, spec, f"[{call}, ")[0] is False  # one call, not parallel ones
+    assert accepted(grammars, spec, '[{"name": "sub", ')[0] is False
     assert tool_constraint(body, "add")[1] == {"json": {**TOOL["function"]["parameters"],
                                                         "additionalProperties": False},
                                                "whitespace_pattern": CALL_WHITESPACE}
@@ -338,11 +340,25 @@ def accepted(grammars, spec: dict, text: str) -> tuple[bool, bool]:
         matcher.is_stopped()
 
 
+def ends_the_turn(grammars, spec: dict, text: str) -> bool:
+    """Whether the model's end of turn may follow ``text``."""
+    tokenizer, compiler = grammars
+    matcher = compiler.matcher(StructuredOutputsParams(**spec))
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    assert matcher.consume_tokens(ids)
+    return matcher.is_accepting()
+
+
 def test_required_ends_with_the_array_and_bounds_its_length(grammars):
     _, spec = tool_constraint(request(tools=[TOOL], tool_choice="required"), "required")
     call = '{"name": "add", "arguments": {"a": 1, "b": 2}}'
     assert accepted(grammars, spec, f"[{call}]") == (True, True)  # done: the engine stops
     assert accepted(grammars, spec, f"[{call}, {call}") == (True, False)
+    # the model may end its turn after a whole call, its array then read as closed there
+    for text, ends in (("[", False), (f"[{call[:-1]}", False), (f"[{call}", True),
+                       (f"[{call},", False), (f"[{call}, {call}", True), (f"[{call} ", False)):
+        assert ends_the_turn(grammars, spec, text) == ends, text
+    assert parse_tool_calls(f"[{call}, {call}", "required")[1][1].function.name == "add"
     assert accepted(grammars, spec, '[{"name": "add", "arguments": {"a": 1, "c": 2}}]')[0] \
         is False  # strict
     most = "[" + ", ".join([call] * MAX_PARALLEL_CALLS)
@@ -362,8 +378,9 @@ def test_a_calls_whitespace_is_a_space_or_a_line_and_its_indent(grammars, mode):
     assert accepted(grammars, spec, indented) == (True, True)
     for run in ("  ", "\n\n", " \n", "\n" + " " * 21):
         assert accepted(grammars, spec, whole[0] + run + whole[1:])[0] is False, repr(run)
-    free = {k: v for k, v in spec.items() if k != "whitespace_pattern"}
-    assert accepted(grammars, free, whole[0] + "\n\n   \n" + whole[1:]) == (True, True)
+    if mode == "add":  # (what bounds it: the pattern; required's grammar holds its own)
+        free = {k: v for k, v in spec.items() if k != "whitespace_pattern"}
+        assert accepted(grammars, free, whole[0] + "\n\n   \n" + whole[1:]) == (True, True)
 
 
 def test_required_keeps_each_tools_references_working(grammars):
