@@ -53,7 +53,7 @@ def test_greedy_agreement_with_float_activations():
     is float: more rows than int_rows). Measured on the Sapphire Rapids VM: int16 12 of 12,
     int8 8 of 12 (docs/results/activation-quant); asserted with a margin for other tiers'
     summation orders. The default, auto, is float on this file's Q4_1 and Q8_0 at every tier
-    (int8 only on the K-quants): 12 of 12, its KL 0."""
+    (int8 only on the K-quants): the same tokens (three prompts: the float path again)."""
     from equivalence import NEW_TOKENS, text_prompts
 
     from conveyor import LLM, SamplingParams
@@ -64,8 +64,9 @@ def test_greedy_agreement_with_float_activations():
     outputs = {}
     for mode in ("none", "int16", "int8", "auto"):
         llm = LLM(dtype="float32", activation_quant=mode, num_kv_blocks=256, max_model_len=512)
+        prompts = text_prompts(llm.get_tokenizer())[:3 if mode == "auto" else None]
         outputs[mode] = [llm.generate([{"prompt_token_ids": p}], params, use_tqdm=False)
-                         [0].outputs[0].token_ids for p in text_prompts(llm.get_tokenizer())]
+                         [0].outputs[0].token_ids for p in prompts]
         integer = mode in ("int16", "int8") or (
             mode == "auto" and isa.current().tier in AUTO_INT8_TIERS)
         assert integer == ("activations" in llm.engine.runner.kernel_path)
@@ -73,7 +74,7 @@ def test_greedy_agreement_with_float_activations():
                  for mode in ("int16", "int8", "auto")}
     assert len(outputs["none"]) == 12
     assert identical["int16"] >= 11 and 3 <= identical["int8"] <= 10, identical
-    assert identical["auto"] == 12, identical
+    assert identical["auto"] == 3, identical
 
 
 def test_integer_activations_need_the_kernels(monkeypatch):
