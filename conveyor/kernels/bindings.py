@@ -17,21 +17,11 @@ import torch.nn.functional as F
 from conveyor.kernels.activations import K_QUANTS
 from conveyor.kernels import huge_pages
 from conveyor.kernels.blocks import BLOCK_TYPES, DENSE_TYPES, WIDE_SCALARS, QuantizedWeight
-from conveyor.kernels.signatures import bind
+from conveyor.kernels.signatures import bind, entry
+from conveyor.kernels.structs import Layer, Shape, matrix
 
 if TYPE_CHECKING:
     from conveyor.kernels.experts import MoEKernel
-
-SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
-
-
-def entry(lib: ctypes.CDLL, name: str, dtype: torch.dtype):
-    return bind(lib, f"{name}_{SUFFIX[dtype]}")
-
-
-def has_entry(lib: ctypes.CDLL, name: str, dtype: torch.dtype) -> bool:
-    return hasattr(lib, f"{name}_{SUFFIX[dtype]}")
-
 
 def kv_type(cache: torch.Tensor, dtype: torch.dtype, head_dim: int) -> int:
     """The kernels' code for a cache's storage (csrc/common.h): 0, the model dtype; 1, int8
@@ -402,45 +392,6 @@ class IntQuantLinear(QuantLinear):
                              f"{w.kernel_type} is not handled")
 
 
-class _Run(ctypes.Structure):
-    _fields_ = [("blocks", ctypes.c_void_p), ("row_bytes", ctypes.c_int64),
-                ("type", ctypes.c_int32), ("rows", ctypes.c_int32)]
-
-
-class _Matrix(ctypes.Structure):
-    MAX_RUNS = 3  # decode_stack.c's
-    _fields_ = [("run", _Run * MAX_RUNS), ("runs", ctypes.c_int32)]
-
-
-def matrix(runs: tuple[QuantizedWeight, ...], dtype: torch.dtype) -> _Matrix:
-    """A linear's runs as the C side reads them (csrc/stack.h)."""
-    assert len(runs) <= _Matrix.MAX_RUNS  # (none: a layer whose experts replace them)
-    for w in runs:
-        assert w.blocks.stride(1) == 1
-        assert w.wide == (dtype == torch.bfloat16 and w.ggml_type in WIDE_SCALARS)
-    return _Matrix((_Run * _Matrix.MAX_RUNS)(*[
-        _Run(w.blocks.data_ptr(), w.blocks.stride(0), w.kernel_type, w.blocks.shape[0])
-        for w in runs]), len(runs))
-
-
-class _Layer(ctypes.Structure):
-    _fields_ = [("attention_norm", ctypes.c_void_p), ("ffn_norm", ctypes.c_void_p),
-                ("wqkv", _Matrix), ("wo", _Matrix), ("w13", _Matrix), ("w2", _Matrix),
-                ("qkv_bias", ctypes.c_void_p), ("k_cache", ctypes.c_void_p),
-                ("v_cache", ctypes.c_void_p), ("window", ctypes.c_int32),
-                ("rope", ctypes.c_int32), ("q_norm", ctypes.c_void_p),
-                ("k_norm", ctypes.c_void_p), ("post_attention_norm", ctypes.c_void_p),
-                ("post_ffn_norm", ctypes.c_void_p), ("experts", ctypes.c_void_p)]
-
-
-class _Shape(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_int) for name in ("hidden", "heads", "kv_heads", "dim",
-                                                    "intermediate", "block_size")] + [
-        ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("softcap", ctypes.c_float),
-        ("gelu", ctypes.c_int), ("levels", ctypes.c_int), ("int_rows", ctypes.c_int),
-        ("superblock_rows", ctypes.c_int), ("invariant", ctypes.c_int), ("kv_type", ctypes.c_int)]
-
-
 @dataclass
 class StackLayer:
     """One decoder layer's weights and KV cache, as ``decode_stack`` reads them."""
@@ -490,7 +441,7 @@ class DecodeStack:
             for t in (layer.k_cache, layer.v_cache):
                 assert kv_type(t, dtype, head_dim) == storage and t.is_contiguous()
             assert (layer.q_norm is None) == (layer.k_norm is None)
-        self._layers = (_Layer * len(layers))(*[_Layer(
+        self._layers = (Layer * len(layers))(*[Layer(
             l.attention_norm.data_ptr(), l.ffn_norm.data_ptr(), *[
                 matrix(m, dtype) for m in (l.wqkv, l.wo, l.w13, l.w2)], ptr(l.qkv_bias),
             l.k_cache.data_ptr(), l.v_cache.data_ptr(), l.window or 0, l.rope, ptr(l.q_norm),
@@ -502,7 +453,7 @@ class DecodeStack:
         self.ropes = 1 + max(layer.rope for layer in layers)
         self._keep = layers  # the pointers above are into these tensors
         self.hidden = layers[0].attention_norm.shape[0]
-        self._shape = _Shape(self.hidden, heads, kv_heads, head_dim, intermediate,
+        self._shape = Shape(self.hidden, heads, kv_heads, head_dim, intermediate,
                              layers[0].k_cache.shape[1], eps,
                              head_dim ** -0.5 if scale is None else scale, softcap or 0.0,
                              int(act == "gelu_pytorch_tanh"), levels, int_rows,

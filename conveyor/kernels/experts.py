@@ -8,18 +8,12 @@ import ctypes
 
 import torch
 
-from conveyor.kernels.bindings import _Matrix, _Shape, entry, matrix
 from conveyor.kernels.blocks import QuantizedWeight
+from conveyor.kernels.signatures import entry
+from conveyor.kernels.structs import Experts, Matrix, Shape, matrix
 
 # the pieces moe_ffn takes from its scratch, each aligned to 64 bytes
 _PIECES, _ALIGN = 11, 64
-
-
-class _Experts(ctypes.Structure):
-    _fields_ = [("router", ctypes.c_void_p), ("w13", ctypes.c_void_p), ("w2", ctypes.c_void_p),
-                ("experts", ctypes.c_int32), ("used", ctypes.c_int32),
-                ("intermediate", ctypes.c_int32), ("norm_topk", ctypes.c_int32),
-                ("max_rows", ctypes.c_int32), ("stats", ctypes.c_void_p)]
 
 
 class MoEKernel:
@@ -43,13 +37,13 @@ class MoEKernel:
         self.intermediate = w2[0][0].in_features
         self.max_rows = max_rows
         self._fn = entry(lib, "moe_ffn", dtype)
-        self._w13 = (_Matrix * self.experts)(*[matrix(runs, dtype) for runs in w13])
-        self._w2 = (_Matrix * self.experts)(*[matrix(runs, dtype) for runs in w2])
-        self._experts = _Experts(router.data_ptr(), ctypes.addressof(self._w13),
+        self._w13 = (Matrix * self.experts)(*[matrix(runs, dtype) for runs in w13])
+        self._w2 = (Matrix * self.experts)(*[matrix(runs, dtype) for runs in w2])
+        self._experts = Experts(router.data_ptr(), ctypes.addressof(self._w13),
                                  ctypes.addressof(self._w2), self.experts, used,
                                  self.intermediate, int(norm_topk), self.max_rows,
                                  stats.data_ptr())
-        self._shape = _Shape(hidden=self.hidden, intermediate=self.intermediate,
+        self._shape = Shape(hidden=self.hidden, intermediate=self.intermediate,
                              gelu=int(act == "gelu_pytorch_tanh"), levels=levels,
                              int_rows=int_rows, superblock_rows=int(superblock_rows),
                              invariant=int(invariant))

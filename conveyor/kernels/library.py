@@ -16,10 +16,9 @@ import torch
 from conveyor.kernels import build, isa
 from conveyor.kernels.bindings import (GLU_KERNELS, AddRMSNorm, ArgmaxRows, DecodeKernel,
                                        DecodeStack, DequantRows, GatedMul, IntQuantLinear,
-                                       QuantLinear, RopeKVWrite, SampleRows, StackLayer,
-                                       has_entry)
+                                       QuantLinear, RopeKVWrite, SampleRows, StackLayer)
 from conveyor.kernels.experts import MoEKernel
-from conveyor.kernels.signatures import bind
+from conveyor.kernels.signatures import bind, has_entry
 
 logger = logging.getLogger("conveyor")
 

@@ -9,10 +9,14 @@ import functools
 import re
 from pathlib import Path
 
+import torch
+
 HEADER = Path(__file__).with_name("csrc") / "kernels.h"
 _SCALARS = {"int": ctypes.c_int, "int32_t": ctypes.c_int32, "int64_t": ctypes.c_int64,
             "float": ctypes.c_float, "double": ctypes.c_double}
 _RETURNS = {"void": None, **_SCALARS}
+# the header's CONVEYOR_KERNELS instances: an entry point of each dtype, by its suffix
+SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 
 
 def _argtype(declaration: str):
@@ -42,3 +46,12 @@ def bind(lib: ctypes.CDLL, name: str):
     fn = getattr(lib, name)
     fn.argtypes, fn.restype = signatures()[name]
     return fn
+
+
+def entry(lib: ctypes.CDLL, name: str, dtype: torch.dtype):
+    """The entry point ``name`` of ``dtype`` (``quant_linear`` -> ``quant_linear_f32``)."""
+    return bind(lib, f"{name}_{SUFFIX[dtype]}")
+
+
+def has_entry(lib: ctypes.CDLL, name: str, dtype: torch.dtype) -> bool:
+    return hasattr(lib, f"{name}_{SUFFIX[dtype]}")

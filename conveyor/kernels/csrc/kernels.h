@@ -1,6 +1,6 @@
 /* Every entry point of a tier's kernel library, declared once. Each file that defines one
  * includes this (through common.h), so the compiler checks the definition against it;
- * decode_stack.c calls the kernels through it; bindings.py takes its ctypes signatures from it
+ * decode_stack.c calls the kernels through it; the bindings take their ctypes signatures from it
  * (kernels/signatures.py). A tier defines the bfloat16 entries only where it computes
  * bfloat16 (CONVEYOR_AVX512_BF16), and has_amx only from the avx512 sources on. */
 #ifndef CONVEYOR_KERNELS_H
@@ -58,5 +58,7 @@ int repacked_row_bytes(int type, int k);
 int repack_rows(const uint8_t *w, int64_t row_bytes, int type, int n, int k, uint8_t *out,
                 int threads);
 double fma_peak_gflops(int threads, double seconds, int repeats);
+/* layout.c: stack.h's struct sizes, field offsets and limits, by name; -1: not one */
+int struct_layout(const char *name);
 
 #endif

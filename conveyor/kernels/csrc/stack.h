@@ -1,6 +1,7 @@
-/* What decode_stack.c and moe_ffn.c share: the structs bindings.py fills (a linear's runs of
- * GGUF blocks, a layer's experts, the model's sizes) and the block linear over a matrix's runs,
- * routed to the float or the integer kernel as the Python side routes it. */
+/* What decode_stack.c and moe_ffn.c share: the structs kernels/structs.py copies (a linear's
+ * runs of GGUF blocks, a layer's experts, the model's sizes; layout.c tells their layout) and
+ * the block linear over a matrix's runs, routed to the float or the integer kernel as the
+ * Python side routes it. */
 #ifndef CONVEYOR_STACK_H
 #define CONVEYOR_STACK_H
 
