@@ -5,6 +5,7 @@ folder, keyed by the file's digest and transformers' version, and later ones rea
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import shutil
@@ -24,10 +25,12 @@ def _folder(path: str) -> str:
     return str(DATA / "hf-of-gguf" / f"{digest.hexdigest()[:16]}-{transformers.__version__}")
 
 
+@functools.lru_cache(maxsize=None)
 def hf_of_gguf(path: str, auto=transformers.AutoModelForCausalLM
                ) -> tuple[transformers.PreTrainedModel, transformers.PreTrainedTokenizerBase]:
     """(model in float32, eval mode; tokenizer) as ``auto.from_pretrained(..., gguf_file=)``
-    gives them."""
+    gives them; once a process (the equivalence reference takes the tokenizer after the
+    model)."""
     folder = _folder(path)
     if not os.path.isdir(folder):
         directory, name = os.path.dirname(path), os.path.basename(path)
